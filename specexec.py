@@ -1,0 +1,720 @@
+"""SpecExec: massively parallel speculative decoding, in one readable file.
+
+Svirschevski et al., "SpecExec: Massively Parallel Speculative Decoding for Interactive LLM
+Inference on Consumer Devices", arXiv 2406.02532.
+
+The idea. When a big *target* model's weights stream from RAM or SSD for every forward pass,
+a pass over a thousand tokens costs about as much as a pass over one. So a small *draft*
+model grows a large tree of likely continuations, best-first by cumulative draft
+probability, and keeps the `budget` most probable nodes. The target then scores the whole
+tree in ONE pass, with an attention mask that lets each node see only its ancestors. We walk
+the tree from the root, following the target's own choice at each node while that choice is
+a child in the tree, and finish with the target's choice at the last node reached (the
+bonus token). Every token is the target's own choice, so the output is exactly what the
+target alone would produce: its greedy decoding at temperature 0, an exact sample otherwise.
+
+Words of the paper -> names in the code:
+
+    target model (large, slow)            target
+    draft model (small, fast)             draft
+    token budget / tree size              budget        (draft nodes verified per step)
+    max tree depth / draft iterations     max_depth     (draft passes per step)
+    beam width (nodes expanded per pass)  width
+    children kept per expanded node       branch
+    cumulative (path) probability         cum_logprob   (log of the draft's path probability)
+    last accepted, not yet seen token     root          (the "pending" token; the tree's root)
+    bonus token                           bonus
+    one target forward pass               a step        (Stats.steps)
+
+The sequence `seq` is the prompt plus every accepted token. The invariant that makes the
+caches simple: after each step, each model's KV cache holds a prefix of `seq` that does not
+include its last token (the root of the next tree); a model is always fed the part of `seq`
+its cache lacks (the "trunk") before anything else. The first step's trunk is the prompt.
+"""
+
+import heapq
+import time
+from collections import Counter
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # decoder-only, take a 4D float mask
+
+
+class SpecExecError(ValueError):
+    """Bad input, reported to the user in one line."""
+
+
+# ---- config ----
+
+
+@dataclass
+class Options:
+    """Generation options: one source of defaults for `generate`, `autoregressive` and the CLI."""
+
+    max_new_tokens: int = field(default=128, metadata={"help": "stop after this many new tokens"})
+    budget: int = field(default=256, metadata={"help": "draft tree size: nodes verified per step"})
+    max_depth: int = field(default=16, metadata={"help": "max tree depth = draft passes per step"})
+    width: int = field(default=32, metadata={"help": "beam width: nodes expanded per draft pass"})
+    branch: int = field(default=8, metadata={"help": "children kept per expanded node"})
+    temperature: float = field(default=0.0, metadata={"help": "0 = greedy (exact argmax)"})
+    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1 = off)"})
+    top_k: int = field(default=0, metadata={"help": "sample from the k most likely (0 = off)"})
+    seed: int | None = field(default=None, metadata={"help": "random seed for sampling"})
+
+    def __post_init__(self):
+        for name in ("budget", "max_depth", "width", "branch"):
+            if getattr(self, name) < 1:
+                raise SpecExecError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.max_new_tokens < 0 or self.temperature < 0 or self.top_k < 0:
+            raise SpecExecError("max_new_tokens, temperature and top_k cannot be negative")
+        if not 0 < self.top_p <= 1:
+            raise SpecExecError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass
+class Stats:
+    """What a run did. `steps` counts target forward passes."""
+
+    steps: int = 0
+    new_tokens: int = 0
+    draft_passes: int = 0
+    accepted: list = field(default_factory=list)  # tokens gained per step (path + bonus)
+    tree_sizes: list = field(default_factory=list)  # nodes verified per step
+    time_draft: float = 0.0
+    time_target: float = 0.0
+    time_total: float = 0.0
+
+    @property
+    def tokens_per_step(self):
+        return self.new_tokens / max(1, self.steps)
+
+    @property
+    def tokens_per_second(self):
+        return self.new_tokens / max(1e-9, self.time_total)
+
+    @property
+    def time_other(self):
+        return self.time_total - self.time_draft - self.time_target
+
+    @property
+    def histogram(self):
+        """How many steps gained k tokens, for each k."""
+        return dict(sorted(Counter(self.accepted).items()))
+
+    def summary(self):
+        return (
+            f"{self.new_tokens} tokens in {self.steps} steps: "
+            f"{self.tokens_per_step:.2f} tokens/step, {self.tokens_per_second:.1f} tokens/s "
+            f"(draft {self.time_draft:.2f}s, target {self.time_target:.2f}s, "
+            f"other {self.time_other:.2f}s)"
+        )
+
+
+# ---- sampling helpers ----
+
+
+def sampling_probs(logits, temperature, top_k, top_p):
+    """The target's next-token distribution after temperature, top-k and top-p (nucleus)."""
+    logits = logits.double() / temperature  # (vocab,)
+    if top_k > 0:
+        kth_best = torch.topk(logits, min(top_k, logits.numel())).values[-1]
+        logits = logits.masked_fill(logits < kth_best, float("-inf"))
+    probs = torch.softmax(logits, -1)  # (vocab,)
+    if top_p < 1.0:
+        # Nucleus: the smallest set of most likely tokens whose mass reaches top_p. A token is
+        # dropped when the tokens ranked above it already reach top_p on their own.
+        sorted_probs, order = probs.sort(descending=True)  # (vocab,) each
+        mass_above = sorted_probs.cumsum(0) - sorted_probs  # (vocab,)
+        dropped = order[mass_above >= top_p]
+        probs = probs.index_fill(0, dropped, 0.0)
+    return probs / probs.sum()
+
+
+def choose(logits, opts, rng):
+    """The target's pick: argmax at temperature 0, else one sample (one uniform draw)."""
+    if opts.temperature == 0:
+        return int(logits.argmax())
+    probs = sampling_probs(logits, opts.temperature, opts.top_k, opts.top_p).cpu()  # (vocab,)
+    cdf = probs.cumsum(0)  # (vocab,)
+    u = torch.rand((), generator=rng, dtype=torch.float64) * cdf[-1]
+    # The first token whose cdf exceeds u; zero-probability tokens can never be chosen.
+    return int(torch.searchsorted(cdf, u, right=True))
+
+
+# ---- tree attention mask ----
+
+
+def tree_mask(parents, n_cached, dtype, device):
+    """Additive attention mask and position ids for `len(parents)` new tokens.
+
+    parents[i] < i is the index of token i's parent among the new tokens, or -1 when its
+    parent is the last cached token. Token i may look at the whole cache, its ancestors and
+    itself. A causal mask is the tree mask of a chain: parents = [-1, 0, 1, 2, ...].
+    Returns mask (1, 1, n, n_cached + n): 0 = may look, finfo.min = may not; and position
+    ids (1, n) = n_cached + depth (the number of new ancestors). The mask must be an
+    additive float: Hugging Face passes a 4D mask through untouched, and a boolean one
+    would be misread by eager attention.
+    """
+    n = len(parents)
+    parent = torch.tensor(parents, dtype=torch.long)  # (n,)
+    sees = torch.eye(n, dtype=torch.bool)  # (n, n): sees[i, j] = j is i or an ancestor of i
+    # Walk every token up its chain of ancestors at once; the walk ends at the tree's depth.
+    node = parent.clone()  # (n,): the ancestor each token reached so far
+    rows = torch.arange(n)
+    while (node >= 0).any():
+        up = node >= 0
+        sees[rows[up], node[up]] = True
+        node[up] = parent[node[up]]
+    depth = sees.sum(-1) - 1  # (n,)
+    mask = torch.full((n, n_cached + n), torch.finfo(dtype).min, dtype=dtype)  # (n, n_cached + n)
+    mask[:, :n_cached] = 0.0
+    mask[:, n_cached:].masked_fill_(sees, 0.0)
+    positions = (n_cached + depth)[None]  # (1, n)
+    return mask[None, None].to(device), positions.to(device)
+
+
+def forward(model, cache, tokens, parents):
+    """Run `tokens` (arranged as a tree by `parents`) after the cache; return their logits."""
+    n_cached = cache.get_seq_length()
+    mask, positions = tree_mask(parents, n_cached, model.dtype, model.device)
+    input_ids = torch.tensor([tokens], dtype=torch.long, device=model.device)  # (1, n)
+    out = model(
+        input_ids=input_ids,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+    )
+    return out.logits[0]  # (n, vocab)
+
+
+def chain(n):
+    """Parents of n tokens in a row (a causal mask)."""
+    return list(range(-1, n - 1))
+
+
+def keep_positions(cache, keep):
+    """Keep only the cache entries at positions `keep` (in order), in every layer.
+
+    `DynamicCache.crop` can only drop a suffix; a step keeps the prefix plus one path
+    through the tree, which is scattered among the tree's entries, so we gather.
+    """
+    for layer in cache.layers:
+        index = torch.tensor(keep, dtype=torch.long, device=layer.keys.device)  # (n_keep,)
+        layer.keys = layer.keys.index_select(-2, index)  # (1, heads, n_keep, head_dim)
+        layer.values = layer.values.index_select(-2, index)
+
+
+# ---- draft tree (priority queue) ----
+
+
+@dataclass
+class DraftTree:
+    """Every node the draft discovered. Node 0 is the root: the last token of `seq`."""
+
+    tokens: list  # token of each node
+    parents: list  # parent node of each node; -1 for the root
+    cum_logprob: list  # draft log-probability of the path from the root (root: 0)
+    fed: list = field(default_factory=list)  # nodes (not the root) in the draft's cache, in order
+
+    def key(self, node):
+        """Best first: higher cum_logprob; on a tie the earlier node, so parents come first."""
+        return (-self.cum_logprob[node], node)
+
+    def add_children(self, node, logprobs, branch, heap):
+        """Add the `branch` most probable children of `node` and push them as candidates."""
+        top = torch.topk(logprobs, min(branch, logprobs.numel()))
+        for logprob, token in zip(top.values.tolist(), top.indices.tolist()):
+            child = len(self.tokens)
+            self.tokens.append(token)
+            self.parents.append(node)
+            self.cum_logprob.append(self.cum_logprob[node] + logprob)
+            heapq.heappush(heap, self.key(child))
+
+    def best(self, budget):
+        """The `budget` most probable nodes except the root, parents before children.
+
+        This set is always a tree (closed under ancestors): a child's path is its parent's
+        path times one more probability <= 1, so the child never ranks above its parent,
+        and ties go to the earlier node, which the parent is.
+        """
+        nodes = range(1, len(self.tokens))
+        return sorted(heapq.nsmallest(budget, nodes, key=self.key))
+
+
+def grow_tree(draft, cache, seq, opts, max_depth, stats):
+    """Best-first search for the `opts.budget` most probable continuations of `seq`.
+
+    A heap holds the candidates: nodes discovered but not yet fed to the draft. Each draft
+    pass takes the `width` best of them, runs them in one tree-masked batch (reusing the
+    cache of the prefix and of all nodes fed before), and pushes each one's `branch` best
+    children. Passes per tree are bounded by `max_depth`, whatever the budget.
+    """
+    # Pass 1: feed the trunk (what the draft's cache lacks, ending with the root).
+    trunk = seq[cache.get_seq_length() :]
+    logits = forward(draft, cache, trunk, chain(len(trunk)))  # (len(trunk), vocab)
+    stats.draft_passes += 1
+    tree = DraftTree(tokens=[seq[-1]], parents=[-1], cum_logprob=[0.0])
+    heap = []  # keys of candidates, best first
+    tree.add_children(0, torch.log_softmax(logits[-1].float(), -1), opts.branch, heap)
+
+    for _ in range(max_depth - 1):
+        # A candidate outside today's best `budget` nodes can never enter it (the set only
+        # gets better), nor can its descendants, so expanding it is wasted work.
+        worst_kept = max(tree.key(node) for node in tree.best(opts.budget))
+        batch = []
+        while heap and len(batch) < opts.width and heap[0] <= worst_kept:
+            batch.append(heapq.heappop(heap)[1])
+        if not batch:
+            break
+        # Parents as indices into (fed nodes + batch); -1 = the root, which is in the cache.
+        slot = {node: i for i, node in enumerate(tree.fed + batch)}
+        parents = [slot.get(tree.parents[node], -1) for node in tree.fed + batch]
+        n_fed = len(tree.fed)
+        mask, positions = tree_mask(parents, len(seq), draft.dtype, draft.device)
+        out = draft(
+            input_ids=torch.tensor([[tree.tokens[node] for node in batch]], device=draft.device),
+            attention_mask=mask[:, :, n_fed:],  # (1, 1, len(batch), len(seq) + n_fed + len(batch))
+            position_ids=positions[:, n_fed:],  # (1, len(batch))
+            past_key_values=cache,
+            use_cache=True,
+        )
+        stats.draft_passes += 1
+        tree.fed += batch
+        logprobs = torch.log_softmax(out.logits[0].float(), -1)  # (len(batch), vocab)
+        for node, node_logprobs in zip(batch, logprobs):
+            tree.add_children(node, node_logprobs, opts.branch, heap)
+    return tree
+
+
+# ---- verification and acceptance ----
+
+
+def verify(target, cache, seq, tree, kept):
+    """ONE target pass over the trunk and the kept tree nodes; logits at the root and each node."""
+    trunk = seq[cache.get_seq_length() :]  # usually just the root; the whole prompt at first
+    slot = {0: len(trunk) - 1, **{node: len(trunk) + i for i, node in enumerate(kept)}}
+    tokens = trunk + [tree.tokens[node] for node in kept]
+    parents = chain(len(trunk)) + [slot[tree.parents[node]] for node in kept]
+    logits = forward(target, cache, tokens, parents)  # (len(trunk) + len(kept), vocab)
+    return logits[len(trunk) - 1 :]  # (1 + len(kept), vocab): root first, then kept
+
+
+def accept(tree, kept, logits, opts, rng):
+    """Follow the target's own picks down the tree; return the accepted nodes and the bonus.
+
+    At each node the target chooses the next token from its own distribution. If that token
+    is a child in the tree we move there for free; if not, the choice itself is the bonus
+    token. Every emitted token is thus the target's choice given everything before it, so
+    the output is the target's greedy decoding (temperature 0) or an exact sample from it.
+    """
+    row = {node: i for i, node in enumerate([0] + kept)}
+    child = {(tree.parents[node], tree.tokens[node]): node for node in kept}
+    if opts.temperature == 0:
+        picks = logits.argmax(-1).tolist()  # all picks in one go
+        pick = picks.__getitem__
+    else:
+        pick = lambda i: choose(logits[i], opts, rng)  # noqa: E731  (one draw per visited node)
+    path, node = [], 0
+    while True:
+        token = pick(row[node])
+        if (node, token) not in child:
+            return path, token
+        node = child[(node, token)]
+        path.append(node)
+
+
+def speculative_step(target, draft, target_cache, draft_cache, seq, opts, rng, stats, room):
+    """One SpecExec step: draft tree, one target pass, acceptance, cache update; new tokens."""
+    n_target = target_cache.get_seq_length()
+    with timer(stats, "time_draft", draft.device):
+        # Tree nodes at depth d sit at position len(seq) - 1 + d, which must fit the context.
+        tree = grow_tree(draft, draft_cache, seq, opts, min(opts.max_depth, room), stats)
+        kept = tree.best(opts.budget)
+    with timer(stats, "time_target", target.device):
+        logits = verify(target, target_cache, seq, tree, kept)  # (1 + len(kept), vocab)
+        path, bonus = accept(tree, kept, logits, opts, rng)
+
+    # Keep the caches to `seq` plus the accepted path (the bonus is the next root, unseen).
+    # Target: it saw the trunk, then the kept nodes in order.
+    n_trunk = len(seq) - n_target
+    index_in_kept = {node: i for i, node in enumerate(kept)}
+    keep_positions(
+        target_cache,
+        list(range(n_target + n_trunk)) + [n_target + n_trunk + index_in_kept[n] for n in path],
+    )
+    # Draft: it holds all of `seq`, then the fed nodes; the path's last node may be unfed
+    # (a leaf), and is then fed as trunk at the next step.
+    index_in_fed = {node: i for i, node in enumerate(tree.fed)}
+    fed_path = [index_in_fed[n] for n in path if n in index_in_fed]
+    keep_positions(draft_cache, list(range(len(seq))) + [len(seq) + i for i in fed_path])
+
+    stats.tree_sizes.append(len(kept))
+    return [tree.tokens[node] for node in path] + [bonus]
+
+
+# ---- generation loop ----
+
+
+def generate(target, draft, input_ids, *, eos_token_id=None, on_tokens=None, **options):
+    """SpecExec decoding. Returns (new_tokens, Stats); the target alone would emit the same.
+
+    input_ids: list of ints or a LongTensor (1, n). options: see `Options`.
+    on_tokens(list[int]) is called with each step's accepted tokens (for streaming).
+    """
+    from transformers import DynamicCache
+
+    opts = Options(**options)
+    check_same_vocab_size(target, draft)
+    limit = min(context_length(target.config), context_length(draft.config))
+    target_cache, draft_cache = DynamicCache(), DynamicCache()
+
+    def step(seq, rng, stats):
+        room = limit - len(seq)
+        return speculative_step(
+            target, draft, target_cache, draft_cache, seq, opts, rng, stats, room
+        )
+
+    return decode(step, input_ids, opts, limit, eos_token_id, on_tokens)
+
+
+def decode(step, input_ids, opts, limit, eos_token_id, on_tokens):
+    """The loop shared by SpecExec and the baseline: step until a stop condition holds."""
+    seq = as_token_list(input_ids)
+    check_prompt(seq, limit)
+    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+    rng = torch.Generator().manual_seed(opts.seed if opts.seed is not None else torch.seed())
+    stats = Stats()
+    new_tokens = []
+    start = time.perf_counter()
+    while len(new_tokens) < opts.max_new_tokens and len(seq) < limit:
+        tokens = step(seq, rng, stats)
+        stats.steps += 1
+        stats.accepted.append(len(tokens))
+        # Cut at the token limit, the context, and just after the first EOS.
+        tokens = tokens[: min(opts.max_new_tokens - len(new_tokens), limit - len(seq))]
+        ends = [i for i, t in enumerate(tokens) if t in eos]
+        tokens = tokens[: ends[0] + 1] if ends else tokens
+        seq += tokens
+        new_tokens += tokens
+        if on_tokens is not None:
+            on_tokens(tokens)
+        if ends:
+            break
+    stats.new_tokens = len(new_tokens)
+    stats.time_total = time.perf_counter() - start
+    return new_tokens, stats
+
+
+def check_prompt(seq, limit):
+    if not seq:
+        raise SpecExecError("the prompt is empty")
+    if len(seq) >= limit:
+        raise SpecExecError(f"the prompt has {len(seq)} tokens; the context holds {limit}")
+
+
+def as_token_list(input_ids):
+    if isinstance(input_ids, torch.Tensor):
+        if input_ids.dim() == 2 and input_ids.shape[0] != 1:
+            raise SpecExecError(f"batch size must be 1, got input_ids {tuple(input_ids.shape)}")
+        return input_ids.reshape(-1).tolist()
+    return list(input_ids)
+
+
+def context_length(config):
+    """Positions the model can use. Within a sliding window, full attention is exact."""
+    window = getattr(config, "sliding_window", None)
+    return min(config.max_position_embeddings, window or config.max_position_embeddings)
+
+
+def check_same_vocab_size(target, draft):
+    """Token ids must mean the same in both models (the CLI also compares token strings)."""
+    if draft.config.vocab_size > target.config.vocab_size:
+        raise SpecExecError(
+            f"the draft's vocabulary ({draft.config.vocab_size}) is larger than the target's "
+            f"({target.config.vocab_size}); they must share a tokenizer"
+        )
+
+
+class timer:
+    """Adds the wall time of a block to `stats.<name>`; waits for the GPU so the split is true."""
+
+    def __init__(self, stats, name, device):
+        self.stats, self.name, self.device = stats, name, torch.device(device)
+
+    def __enter__(self):
+        self.sync()
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.sync()
+        elapsed = time.perf_counter() - self.start
+        setattr(self.stats, self.name, getattr(self.stats, self.name) + elapsed)
+
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+
+# ---- autoregressive baseline ----
+
+
+def autoregressive(model, input_ids, *, eos_token_id=None, on_tokens=None, **options):
+    """Plain decoding, one target pass per token, with the same sampling and Stats.
+
+    The reference SpecExec is held against: at temperature 0 and with the same seed at
+    any temperature, `generate` returns exactly these tokens.
+    """
+    from transformers import DynamicCache
+
+    opts = Options(**options)
+    cache = DynamicCache()
+
+    def step(seq, rng, stats):
+        with timer(stats, "time_target", model.device):
+            trunk = seq[cache.get_seq_length() :]
+            logits = forward(model, cache, trunk, chain(len(trunk)))  # (len(trunk), vocab)
+            return [choose(logits[-1], opts, rng)]
+
+    return decode(step, input_ids, opts, context_length(model.config), eos_token_id, on_tokens)
+
+
+# ---- CLI ----
+
+
+@dataclass
+class CLIOptions:
+    """What the command line adds to `Options`."""
+
+    target: str = field(
+        default=None,
+        metadata={"help": "target model: hub id or folder (default: the project's models/target)"},
+    )
+    draft: str = field(
+        default=None,
+        metadata={"help": "draft model: hub id or folder (default: the project's models/draft)"},
+    )
+    prompt: str = field(
+        default=None,
+        metadata={"help": "prompt text (default: a held-out code prefix from models/prompts.json)"},
+    )
+    prompt_index: int = field(default=0, metadata={"help": "which held-out prompt to use"})
+    device: str = field(default=None, metadata={"help": "cuda or cpu (default: cuda if available)"})
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "float32, float16, bfloat16 or float64 (auto: float32 on cpu, the "
+            "checkpoint's own on cuda)"
+        },
+    )
+    chat_template: str = field(
+        default="auto",
+        metadata={"help": "use the tokenizer's chat template: auto (when it has one), on, off"},
+    )
+    compare: bool = field(
+        default=False,
+        metadata={"help": "also run plain autoregressive decoding and print the speedup"},
+    )
+    offload: str = field(
+        default=None,
+        metadata={"help": "run the target offloaded, its layers streamed from 'ram' or 'ssd'"},
+    )
+    offload_dir: str = field(
+        default=None,
+        metadata={"help": "folder for the ssd tier's per-layer files (default: next to the model)"},
+    )
+
+
+def parse_args(argv=None):
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        description="SpecExec speculative decoding. With no arguments, runs the project's own "
+        "target/draft pair on a held-out code prompt.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for group, cls in (("model and prompt", CLIOptions), ("generation", Options)):
+        section = parser.add_argument_group(group)
+        for f in fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            if f.type is bool or f.type == "bool":
+                section.add_argument(flag, action="store_true", help=f.metadata["help"])
+            else:
+                kind = {"int": int, "float": float, "int | None": int}.get(str(f.type), None)
+                kind = kind or (f.type if f.type in (int, float) else str)
+                choices = {
+                    "offload": ["ram", "ssd"],
+                    "chat_template": ["auto", "on", "off"],
+                    "dtype": ["auto", "float32", "float16", "bfloat16", "float64"],
+                }
+                section.add_argument(
+                    flag,
+                    type=kind,
+                    default=f.default,
+                    choices=choices.get(f.name),
+                    help=f.metadata["help"],
+                )
+    args = vars(parser.parse_args(argv))
+    cli = CLIOptions(**{f.name: args.pop(f.name) for f in fields(CLIOptions)})
+    return cli, args  # args: the generation options
+
+
+def check_model_path(name):
+    """A folder that exists, or something shaped like a hub id; else a clear error."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / "config.json").exists():
+            raise SpecExecError(f"{name}: no config.json in this folder")
+        return str(path)
+    looks_local = name.startswith((".", "/", "~")) or name.count("/") != 1
+    if looks_local:
+        raise SpecExecError(f"{name}: no such model folder")
+    return name
+
+
+def load_config(name):
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(name)
+    except (OSError, ValueError) as error:
+        raise SpecExecError(f"{name}: cannot load its config ({str(error).splitlines()[0]})")
+    if config.model_type not in SUPPORTED_FAMILIES:
+        raise SpecExecError(
+            f"{name}: model family '{config.model_type}' is not supported; "
+            f"supported: {', '.join(SUPPORTED_FAMILIES)}"
+        )
+    return config
+
+
+def check_same_tokenizer(target_tok, draft_tok):
+    """Token ids must name the same strings in both models, or drafting means nothing."""
+    t_vocab, d_vocab = target_tok.get_vocab(), draft_tok.get_vocab()
+    if t_vocab != d_vocab:
+        differ = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=lambda kv: kv[1])
+        raise SpecExecError(
+            f"target and draft tokenizers differ ({len(t_vocab)} vs {len(d_vocab)} tokens; "
+            f"first difference: {differ[0][0]!r} id {differ[0][1]}); they must share one"
+        )
+
+
+def resolve_dtype(name, device):
+    if name == "auto":
+        return torch.float32 if device.type == "cpu" else "auto"
+    return getattr(torch, name)
+
+
+def load_model(name, device, dtype):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype)
+    return model.to(device).eval()
+
+
+def default_prompt(index):
+    import json
+
+    prompts = json.loads((HERE / "models" / "prompts.json").read_text())
+    return prompts[index % len(prompts)]["prompt"]
+
+
+class Streamer:
+    """Prints text as tokens arrive; holds back an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.printed = tokenizer, [], 0
+
+    def __call__(self, tokens):
+        self.ids += tokens
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        print(text[self.printed :], end="", flush=True)
+        self.printed = len(text)
+
+
+def main(argv=None):
+    import sys
+
+    try:
+        run(*parse_args(argv))
+    except SpecExecError as error:
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(2)
+
+
+def run(cli, options):
+    import sys
+
+    from transformers import AutoTokenizer
+
+    opts = Options(**options)  # checks the options before anything is loaded
+    device = torch.device(cli.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = resolve_dtype(cli.dtype, device)
+    target_name = check_model_path(cli.target or str(HERE / "models" / "target"))
+    draft_name = check_model_path(cli.draft or str(HERE / "models" / "draft"))
+    limit = min(context_length(load_config(target_name)), context_length(load_config(draft_name)))
+    tokenizer = AutoTokenizer.from_pretrained(target_name)
+    check_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(draft_name))
+
+    prompt = cli.prompt if cli.prompt is not None else default_prompt(cli.prompt_index)
+    use_template = cli.chat_template == "on" or (
+        cli.chat_template == "auto" and tokenizer.chat_template is not None
+    )
+    if use_template:
+        messages = [{"role": "user", "content": prompt}]
+        input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        input_ids = input_ids["input_ids"] if isinstance(input_ids, dict) else input_ids
+    else:
+        input_ids = tokenizer(prompt)["input_ids"]
+    check_prompt(input_ids, limit)  # before loading any weights
+
+    if cli.offload:
+        import offload
+
+        target = offload.from_pretrained(
+            target_name,
+            mode=cli.offload,
+            device=device,
+            dtype=None if dtype == "auto" else dtype,
+            offload_dir=cli.offload_dir,
+        )
+    else:
+        target = load_model(target_name, device, dtype)
+    draft = load_model(draft_name, device, dtype)
+    eos = {tokenizer.eos_token_id} | set(
+        as_list(target.generation_config.eos_token_id)
+        if hasattr(target, "generation_config")
+        else []
+    )
+    eos.discard(None)
+
+    dim, reset = ("\033[2m", "\033[0m") if sys.stdout.isatty() else ("", "")
+    print(f"{dim}{tokenizer.decode(input_ids)}{reset}", end="", flush=True)
+    tokens, stats = generate(
+        target, draft, input_ids, eos_token_id=eos, on_tokens=Streamer(tokenizer), **options
+    )
+    print(
+        f"\n\n{dim}specexec: {stats.summary()}; budget {opts.budget}, "
+        f"{stats.draft_passes / max(1, stats.steps):.1f} draft passes/step{reset}"
+    )
+    if cli.compare:
+        base_tokens, base = autoregressive(target, input_ids, eos_token_id=eos, **options)
+        same = "identical output" if base_tokens == tokens else "outputs differ"
+        print(f"{dim}autoregressive: {base.summary()}{reset}")
+        print(
+            f"speedup {stats.tokens_per_second / base.tokens_per_second:.2f}x "
+            f"({stats.tokens_per_step:.2f} tokens/step); {same}"
+        )
+
+
+def as_list(value):
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
+
+
+if __name__ == "__main__":
+    main()

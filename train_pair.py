@@ -1,0 +1,319 @@
+"""Train the project's default model pair: a small Llama target and a distilled draft.
+
+Every Python installation carries its own standard library as source, so that is the
+training data: nothing is downloaded. The script
+
+1. collects the standard library's ``.py`` files (tests excluded) through the running
+   interpreter and holds out a fixed ~5% of them (chosen by a hash of the file name);
+2. trains a byte-level BPE tokenizer on the training files;
+3. trains the **target**, a Llama model of a few million parameters, on next-token loss;
+4. trains the **draft**, ~10x smaller, by distillation: its loss is the KL divergence from
+   the target's soft next-token distribution (plus a little ordinary next-token loss), so
+   that the two agree as often as possible. With ``--draft-baseline`` it also trains the
+   same draft on the data alone, to show what distillation buys;
+5. reports held-out loss of both and the draft's top-1 / top-8 agreement with the target,
+   and writes both models (Hugging Face format, float16) and a held-out prompt set.
+
+    python train_pair.py --draft-baseline   # writes models/{target,draft,prompts.json}
+
+Seeds are fixed; the result depends on the Python version (its standard library is the data)
+and, in the last bits, on the machine.
+"""
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import sys
+import sysconfig
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# ---- config ----
+
+
+@dataclass
+class TrainConfig:
+    out: str = "models"
+    vocab_size: int = 4096
+    seq_len: int = 512
+    batch_size: int = 8
+    target_steps: int = 600
+    draft_steps: int = 400
+    target_lr: float = 2e-3
+    draft_lr: float = 3e-3
+    distill_weight: float = 0.9  # draft loss = w * KL(target || draft) + (1 - w) * CE
+    eval_batches: int = 16
+    seed: int = 0
+    threads: int = 1  # torch threads (0: torch's default)
+    draft_baseline: bool = False
+
+
+TARGET_SHAPE = dict(
+    hidden_size=256,
+    intermediate_size=768,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+)  # ~6.1M parameters
+DRAFT_SHAPE = dict(
+    hidden_size=96,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+)  # ~0.6M parameters
+EOS = "<|endoftext|>"
+HELD_OUT_PERCENT = 5
+
+# ---- data: the standard library's own source ----
+
+
+def stdlib_files():
+    """The interpreter's standard-library .py files, tests excluded, split train / held out."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "tests", "idle_test", "lib2to3", "turtledemo"}
+    files = sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
+    train, held_out = [], []
+    for path in files:
+        digest = hashlib.sha256(str(path.relative_to(root)).encode()).digest()
+        (held_out if digest[0] * 100 < HELD_OUT_PERCENT * 256 else train).append(path)
+    return root, train, held_out
+
+
+def read_texts(paths):
+    return [p.read_text(encoding="utf-8", errors="replace") for p in paths]
+
+
+def train_tokenizer(texts, vocab_size):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS)
+
+
+def token_stream(tokenizer, texts):
+    """All texts as one stream of ids, each file followed by EOS."""
+    ids = []
+    for text in texts:
+        ids += tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+    return torch.tensor(ids, dtype=torch.long)  # (n_tokens,)
+
+
+def batches(stream, batch_size, seq_len, generator):
+    """Endless random windows of seq_len + 1 tokens."""
+    while True:
+        starts = torch.randint(0, len(stream) - seq_len - 1, (batch_size,), generator=generator)
+        yield torch.stack([stream[s : s + seq_len + 1] for s in starts])  # (batch, seq_len + 1)
+
+
+# ---- models ----
+
+
+def make_model(shape, tokenizer, cfg):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        max_position_embeddings=cfg.seq_len,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+        rope_theta=10000.0,
+        **shape,
+    )
+    return LlamaForCausalLM(config)
+
+
+def lr_at(step, total, peak):
+    """Linear warm-up over 5% of the steps, then cosine decay to 10% of the peak."""
+    warm = max(1, total // 20)
+    if step < warm:
+        return peak * (step + 1) / warm
+    progress = (step - warm) / max(1, total - warm)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def train(model, stream, steps, lr, cfg, log, name, teacher=None, distill_weight=0.0):
+    """AdamW on next-token loss; with a teacher, mix in KL(teacher || model) on soft targets."""
+    gen = torch.Generator().manual_seed(cfg.seed + zlib.crc32(name.encode()))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    model.train()
+    start = time.time()
+    for step, batch in zip(range(steps), batches(stream, cfg.batch_size, cfg.seq_len, gen)):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr)
+        inputs, labels = batch[:, :-1], batch[:, 1:]  # (batch, seq_len) each
+        logits = model(inputs).logits  # (batch, seq_len, vocab)
+        ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        loss = ce
+        if teacher is not None:
+            with torch.no_grad():
+                teacher_logp = F.log_softmax(teacher(inputs).logits, -1)
+            kl = (
+                F.kl_div(
+                    F.log_softmax(logits, -1), teacher_logp, log_target=True, reduction="batchmean"
+                )
+                / cfg.seq_len
+            )
+            loss = distill_weight * kl + (1 - distill_weight) * ce
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        if step % 50 == 0 or step == steps - 1:
+            log(
+                f"{name} step {step:5d}/{steps}  loss {loss.item():.4f}  ce {ce.item():.4f}  "
+                f"lr {lr_at(step, steps, lr):.2e}  {time.time() - start:7.1f}s"
+            )
+    model.eval()
+    return model
+
+
+@torch.no_grad()
+def evaluate(target, drafts, stream, cfg):
+    """Held-out loss of each model, and each draft's top-1 / top-8 agreement with the target."""
+    gen = torch.Generator().manual_seed(cfg.seed + 12345)
+    sums = {"target": 0.0, **{name: 0.0 for name in drafts}}
+    agree1 = {name: 0 for name in drafts}
+    agree8 = {name: 0 for name in drafts}
+    n = 0
+    for _, batch in zip(range(cfg.eval_batches), batches(stream, cfg.batch_size, cfg.seq_len, gen)):
+        inputs, labels = batch[:, :-1], batch[:, 1:]
+        t_logits = target(inputs).logits  # (batch, seq_len, vocab)
+        sums["target"] += F.cross_entropy(t_logits.flatten(0, 1), labels.flatten()).item()
+        t_top1 = t_logits.argmax(-1)  # (batch, seq_len)
+        for name, draft in drafts.items():
+            d_logits = draft(inputs).logits
+            sums[name] += F.cross_entropy(d_logits.flatten(0, 1), labels.flatten()).item()
+            top8 = d_logits.topk(8, -1).indices  # (batch, seq_len, 8)
+            agree1[name] += (top8[..., 0] == t_top1).sum().item()
+            agree8[name] += (top8 == t_top1[..., None]).any(-1).sum().item()
+        n += labels.numel()
+    report = {"held_out_loss": {k: v / cfg.eval_batches for k, v in sums.items()}}
+    report["top1_agreement"] = {k: v / n for k, v in agree1.items()}
+    report["top8_agreement"] = {k: v / n for k, v in agree8.items()}
+    return report
+
+
+# ---- held-out prompts ----
+
+
+def make_prompts(root, held_out, n_prompts=24, chars=600):
+    """Code prefixes from held-out files: text up to a line that starts a function body."""
+    rng = random.Random(0)
+    prompts = []
+    for path in held_out:
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)
+        defs = [i for i, line in enumerate(lines) if line.lstrip().startswith("def ")]
+        defs = [i for i in defs if sum(len(x) for x in lines[: i + 1]) >= chars]
+        if not defs:
+            continue
+        i = rng.choice(defs)
+        text = "".join(lines[: i + 1])[-chars:]
+        text = text[text.index("\n") + 1 :]  # start at a line boundary
+        prompts.append({"file": str(path.relative_to(root)), "prompt": text})
+    rng.shuffle(prompts)
+    return prompts[:n_prompts]
+
+
+# ---- main ----
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for field, default in TrainConfig.__dataclass_fields__.items():
+        value = default.default
+        if isinstance(value, bool):
+            parser.add_argument(f"--{field.replace('_', '-')}", action="store_true")
+        else:
+            parser.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
+    cfg = TrainConfig(**vars(parser.parse_args()))
+    torch.manual_seed(cfg.seed)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_file = open(out / "train_log.txt", "w")
+
+    def log(msg):
+        print(msg, flush=True)
+        log_file.write(msg + "\n")
+        log_file.flush()
+
+    log(f"config: {cfg}")
+    log(
+        f"python {sys.version.split()[0]}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads"
+    )
+    root, train_paths, held_paths = stdlib_files()
+    log(f"stdlib at {root}: {len(train_paths)} training files, {len(held_paths)} held out")
+    t0 = time.time()
+    tokenizer = train_tokenizer(read_texts(train_paths), cfg.vocab_size)
+    train_stream = token_stream(tokenizer, read_texts(train_paths))
+    held_stream = token_stream(tokenizer, read_texts(held_paths))
+    log(
+        f"tokenizer: {len(tokenizer)} tokens; {len(train_stream)} training tokens, "
+        f"{len(held_stream)} held out ({time.time() - t0:.0f}s)"
+    )
+
+    target = make_model(TARGET_SHAPE, tokenizer, cfg)
+    log(f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M parameters")
+    t0 = time.time()
+    train(target, train_stream, cfg.target_steps, cfg.target_lr, cfg, log, "target")
+    log(f"target trained in {time.time() - t0:.0f}s")
+    for p in target.parameters():
+        p.requires_grad_(False)
+
+    torch.manual_seed(cfg.seed + 1)
+    draft = make_model(DRAFT_SHAPE, tokenizer, cfg)
+    log(f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M parameters")
+    t0 = time.time()
+    train(
+        draft,
+        train_stream,
+        cfg.draft_steps,
+        cfg.draft_lr,
+        cfg,
+        log,
+        "draft",
+        teacher=target,
+        distill_weight=cfg.distill_weight,
+    )
+    log(f"draft distilled in {time.time() - t0:.0f}s")
+    drafts = {"draft": draft}
+    if cfg.draft_baseline:
+        torch.manual_seed(cfg.seed + 1)
+        baseline = make_model(DRAFT_SHAPE, tokenizer, cfg)
+        train(baseline, train_stream, cfg.draft_steps, cfg.draft_lr, cfg, log, "draft-data-only")
+        drafts["draft-data-only"] = baseline
+
+    report = evaluate(target, drafts, held_stream, cfg)
+    log("held-out report: " + json.dumps(report, indent=2))
+    for name, model in (("target", target), ("draft", draft)):
+        model.to(torch.float16).save_pretrained(out / name)
+        tokenizer.save_pretrained(out / name)
+    (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    prompts = make_prompts(root, held_paths)
+    (out / "prompts.json").write_text(json.dumps(prompts, indent=1) + "\n")
+    log(f"wrote {out}/target, {out}/draft, {out}/prompts.json ({len(prompts)} prompts)")
+
+
+if __name__ == "__main__":
+    main()
