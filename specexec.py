@@ -178,14 +178,19 @@ def tree_mask(parents, n_cached, dtype, device):
 
 
 def forward(model, cache, tokens, parents):
-    """Run `tokens` (arranged as a tree by `parents`) after the cache; return their logits."""
-    n_cached = cache.get_seq_length()
-    mask, positions = tree_mask(parents, n_cached, model.dtype, model.device)
+    """Run new `tokens` after the cache, as the last nodes of the tree `parents`; their logits.
+
+    `parents` may start with tree nodes fed earlier, which are then the last entries of the
+    cache (the draft's earlier passes); -1 marks a child of the last token before the tree.
+    """
+    n_old = len(parents) - len(tokens)  # tree nodes already in the cache
+    n_prefix = cache.get_seq_length() - n_old
+    mask, positions = tree_mask(parents, n_prefix, model.dtype, model.device)
     input_ids = torch.tensor([tokens], dtype=torch.long, device=model.device)  # (1, n)
     out = model(
         input_ids=input_ids,
-        attention_mask=mask,
-        position_ids=positions,
+        attention_mask=mask[:, :, n_old:],  # (1, 1, n, n_prefix + n_old + n): the new rows
+        position_ids=positions[:, n_old:],  # (1, n)
         past_key_values=cache,
         use_cache=True,
     )
@@ -274,18 +279,10 @@ def grow_tree(draft, cache, seq, opts, max_depth, stats):
         # Parents as indices into (fed nodes + batch); -1 = the root, which is in the cache.
         slot = {node: i for i, node in enumerate(tree.fed + batch)}
         parents = [slot.get(tree.parents[node], -1) for node in tree.fed + batch]
-        n_fed = len(tree.fed)
-        mask, positions = tree_mask(parents, len(seq), draft.dtype, draft.device)
-        out = draft(
-            input_ids=torch.tensor([[tree.tokens[node] for node in batch]], device=draft.device),
-            attention_mask=mask[:, :, n_fed:],  # (1, 1, len(batch), len(seq) + n_fed + len(batch))
-            position_ids=positions[:, n_fed:],  # (1, len(batch))
-            past_key_values=cache,
-            use_cache=True,
-        )
+        logits = forward(draft, cache, [tree.tokens[node] for node in batch], parents)
         stats.draft_passes += 1
         tree.fed += batch
-        logprobs = torch.log_softmax(out.logits[0].float(), -1)  # (len(batch), vocab)
+        logprobs = torch.log_softmax(logits.float(), -1)  # (len(batch), vocab)
         for node, node_logprobs in zip(batch, logprobs):
             tree.add_children(node, node_logprobs, opts.branch, heap)
     return tree
@@ -360,6 +357,7 @@ def speculative_step(target, draft, target_cache, draft_cache, seq, opts, rng, s
 # ---- generation loop ----
 
 
+@torch.no_grad()
 def generate(target, draft, input_ids, *, eos_token_id=None, on_tokens=None, **options):
     """SpecExec decoding. Returns (new_tokens, Stats); the target alone would emit the same.
 
@@ -463,6 +461,7 @@ class timer:
 # ---- autoregressive baseline ----
 
 
+@torch.no_grad()
 def autoregressive(model, input_ids, *, eos_token_id=None, on_tokens=None, **options):
     """Plain decoding, one target pass per token, with the same sampling and Stats.
 
