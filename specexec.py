@@ -63,7 +63,9 @@ class Options:
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy (exact argmax)"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1 = off)"})
     top_k: int = field(default=0, metadata={"help": "sample from the k most likely (0 = off)"})
-    seed: int | None = field(default=None, metadata={"help": "random seed for sampling"})
+    seed: int | None = field(
+        default=None, metadata={"help": "random seed for sampling (default: a fresh one)"}
+    )
 
     def __post_init__(self):
         for name in ("budget", "max_depth", "width", "branch"):
@@ -520,7 +522,7 @@ class CLIOptions:
     )
     offload: str = field(
         default=None,
-        metadata={"help": "run the target offloaded, its layers streamed from 'ram' or 'ssd'"},
+        metadata={"help": "stream the target's layers from 'ram' or 'ssd' (default: off)"},
     )
     offload_dir: str = field(
         default=None,
@@ -528,35 +530,33 @@ class CLIOptions:
     )
 
 
+CHOICES = {
+    "offload": ("ram", "ssd"),
+    "chat_template": ("auto", "on", "off"),
+    "dtype": ("auto", "float32", "float16", "bfloat16", "float64"),
+}
+
+
 def parse_args(argv=None):
+    """The command line, built from the fields of `CLIOptions` and `Options`."""
     import argparse
 
     parser = argparse.ArgumentParser(
         description="SpecExec speculative decoding. With no arguments, runs the project's own "
-        "target/draft pair on a held-out code prompt.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "target/draft pair on a held-out code prompt."
     )
-    for group, cls in (("model and prompt", CLIOptions), ("generation", Options)):
-        section = parser.add_argument_group(group)
+    for title, cls in (("model and prompt", CLIOptions), ("generation", Options)):
+        group = parser.add_argument_group(title)
         for f in fields(cls):
-            flag = "--" + f.name.replace("_", "-")
-            if f.type is bool or f.type == "bool":
-                section.add_argument(flag, action="store_true", help=f.metadata["help"])
-            else:
-                kind = {"int": int, "float": float, "int | None": int}.get(str(f.type), None)
-                kind = kind or (f.type if f.type in (int, float) else str)
-                choices = {
-                    "offload": ["ram", "ssd"],
-                    "chat_template": ["auto", "on", "off"],
-                    "dtype": ["auto", "float32", "float16", "bfloat16", "float64"],
-                }
-                section.add_argument(
-                    flag,
-                    type=kind,
-                    default=f.default,
-                    choices=choices.get(f.name),
-                    help=f.metadata["help"],
-                )
+            flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"]
+            if f.type is bool:
+                group.add_argument(flag, action="store_true", help=text)
+                continue
+            kind = f.type if f.type in (int, float) else int if f.type == int | None else str
+            text += "" if "default" in text else f" (default: {f.default})"
+            group.add_argument(
+                flag, type=kind, default=f.default, choices=CHOICES.get(f.name), help=text
+            )
     args = vars(parser.parse_args(argv))
     cli = CLIOptions(**{f.name: args.pop(f.name) for f in fields(CLIOptions)})
     return cli, args  # args: the generation options
@@ -705,10 +705,13 @@ def run(cli, options):
         base_tokens, base = autoregressive(target, input_ids, eos_token_id=eos, **options)
         same = "identical output" if base_tokens == tokens else "outputs differ"
         print(f"{dim}autoregressive: {base.summary()}{reset}")
-        print(
-            f"speedup {stats.tokens_per_second / base.tokens_per_second:.2f}x "
-            f"({stats.tokens_per_step:.2f} tokens/step); {same}"
-        )
+        speedup = stats.tokens_per_second / base.tokens_per_second
+        print(f"speedup {speedup:.2f}x ({stats.tokens_per_step:.2f} tokens/step); {same}")
+        if speedup < 1:
+            print(
+                f"{dim}(on this device a pass over a whole tree costs more than a one-token pass; "
+                f"SpecExec pays where the target's weights stream from RAM or disk){reset}"
+            )
 
 
 def as_list(value):
