@@ -35,6 +35,7 @@ its cache lacks (the "trunk") before anything else. The first step's trunk is th
 import heapq
 import time
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
@@ -440,24 +441,15 @@ def check_same_vocab_size(target, draft):
         )
 
 
-class timer:
-    """Adds the wall time of a block to `stats.<name>`; waits for the GPU so the split is true."""
-
-    def __init__(self, stats, name, device):
-        self.stats, self.name, self.device = stats, name, torch.device(device)
-
-    def __enter__(self):
-        self.sync()
-        self.start = time.perf_counter()
-
-    def __exit__(self, *exc):
-        self.sync()
-        elapsed = time.perf_counter() - self.start
-        setattr(self.stats, self.name, getattr(self.stats, self.name) + elapsed)
-
-    def sync(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+@contextmanager
+def timer(stats, name, device):
+    """Add the wall time of a block to `stats.<name>`; wait for the GPU so the split is true."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
+    sync()
+    start = time.perf_counter()
+    yield
+    sync()
+    setattr(stats, name, getattr(stats, name) + time.perf_counter() - start)
 
 
 # ---- autoregressive baseline ----
