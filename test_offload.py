@@ -1,0 +1,359 @@
+"""offload.py held against the in-memory Hugging Face model it wraps (the oracle).
+
+Tiny random models are saved to pytest's tmp folders; nothing is downloaded. Everything is float32
+on CPU, where the offloaded model runs the very same kernels in the very same order, so its logits
+must match the in-memory model's to float rounding.
+"""
+
+import copy
+import errno
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
+
+import offload
+
+torch.set_num_threads(1)  # tiny models; leave the other core alone
+
+SIZES = {
+    "vocab_size": 97,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**SIZES),
+    "qwen2": lambda: Qwen2Config(**SIZES, tie_word_embeddings=True),  # q/k/v biases, tied head
+    "qwen3": lambda: Qwen3Config(**SIZES, head_dim=8),  # q/k norms
+    "mistral": lambda: MistralConfig(**SIZES, sliding_window=64),  # sliding-window masks
+}
+
+
+# ---- fixtures: tiny checkpoints and their in-memory oracles ----
+
+
+def save_model(folder, config, seed=0, dtype=torch.float32, shard="30KB"):
+    """A random model saved as (sharded, so layers straddle files) safetensors; returns it."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
+    model.to(dtype).save_pretrained(folder, max_shard_size=shard)
+    return model.float()  # the oracle holds exactly the saved values, in float32
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """family -> (folder, in-memory model)."""
+    out = {}
+    for family, make_config in CONFIGS.items():
+        folder = tmp_path_factory.mktemp(family)
+        out[family] = folder, save_model(folder, make_config())
+    assert len(list(out["llama"][0].glob("*.safetensors"))) > 3  # really sharded
+    return out
+
+
+def tree_mask(parents, n_cached, dtype=torch.float32):
+    """The additive mask (1, 1, q, n_cached + q) and positions (1, q) of a token tree.
+
+    parents[j] is the index of node j's parent in the tree, -1 for a child of the cached prefix.
+    A node sees the whole prefix, its ancestors and itself; its position is n_cached + depth.
+    """
+    q = len(parents)
+    visible = torch.zeros(q, n_cached + q, dtype=torch.bool)  # (q, n_cached + q)
+    visible[:, :n_cached] = True
+    depth = []
+    for j, parent in enumerate(parents):
+        if parent >= 0:
+            visible[j] |= visible[parent]
+        visible[j, n_cached + j] = True
+        depth.append(depth[parent] + 1 if parent >= 0 else 0)
+    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
+    return mask[None, None], torch.tensor(depth)[None] + n_cached
+
+
+def keep_positions(cache, keep):
+    """What a caller does after verification: keep only the accepted cache entries."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[:, :, keep], layer.values[:, :, keep]
+        if hasattr(layer, "cumulative_length"):  # sliding-window layers count tokens seen
+            layer.cumulative_length = len(keep)
+
+
+def set_attention(model, attention):
+    model.config._attn_implementation = attention  # read by the layers at call time
+
+
+# ---- the offloaded model equals the in-memory one ----
+
+PARENTS = [-1, 0, 0, 1, 1, 2, 3]  # a small tree: root, two children, grandchildren
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("mode", ["ram", "ssd"])
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_logits_match_in_memory_model(checkpoints, family, mode, attention, tmp_path):
+    folder, oracle = checkpoints[family]
+    oracle = copy.deepcopy(oracle)
+    set_attention(oracle, attention)
+    with offload.from_pretrained(folder, mode=mode, device="cpu", offload_dir=tmp_path) as model:
+        set_attention(model, attention)
+        assert model.dtype == torch.float32 and model.device == torch.device("cpu")
+        caches = [DynamicCache(config=model.config), DynamicCache(config=oracle.config)]
+        generator = torch.Generator().manual_seed(1)
+        prompt = torch.randint(97, (1, 9), generator=generator)  # (1, 9)
+
+        def both(input_ids, **kwargs):
+            ours = model(input_ids, past_key_values=caches[0], use_cache=True, **kwargs).logits
+            with torch.no_grad():
+                theirs = oracle(input_ids, past_key_values=caches[1], use_cache=True, **kwargs)
+            torch.testing.assert_close(ours, theirs.logits, rtol=1e-5, atol=1e-5)
+
+        both(prompt)  # prefill with the models' own causal mask
+        for step in range(3):  # tree steps with a hand-built 4D mask, then keep one path
+            n_cached = caches[0].get_seq_length()
+            mask, positions = tree_mask(PARENTS, n_cached)
+            tree = torch.randint(97, (1, len(PARENTS)), generator=generator)  # (1, q)
+            both(tree, attention_mask=mask, position_ids=positions)
+            path = [0, 1, 3] if step % 2 else [0, 2, 5]
+            keep = list(range(n_cached)) + [n_cached + j for j in path]
+            for cache in caches:
+                keep_positions(cache, keep)
+        stats = model.stats  # of the last pass: every layer moved once
+        assert stats.bytes_moved == sum(layout.nbytes for layout in model.layouts)
+        assert 0 <= stats.wait_s <= stats.pass_s and stats.compute_s > 0 and stats.gb_per_s > 0
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_tree_mask_is_used_as_given(checkpoints, attention):
+    """Oracle for the 4D mask itself: each tree node's logits equal a forward of its path alone."""
+    folder, _ = checkpoints["llama"]
+    with offload.from_pretrained(folder, mode="ssd", device="cpu") as model:
+        set_attention(model, attention)
+        prompt = torch.randint(97, (1, 5), generator=torch.Generator().manual_seed(2))
+        prefix = DynamicCache(config=model.config)
+        model(prompt, past_key_values=prefix)
+        tree = torch.randint(97, (1, len(PARENTS)), generator=torch.Generator().manual_seed(3))
+        mask, positions = tree_mask(PARENTS, n_cached=5)
+        tree_logits = model(
+            tree, attention_mask=mask, position_ids=positions, past_key_values=copy.deepcopy(prefix)
+        ).logits  # (1, q, vocab)
+        for node in range(len(PARENTS)):
+            path = [node]
+            while PARENTS[path[-1]] >= 0:
+                path.append(PARENTS[path[-1]])
+            path_ids = tree[:, path[::-1]]  # root ... node, causal after the prefix
+            alone = model(path_ids, past_key_values=copy.deepcopy(prefix)).logits[:, -1]
+            torch.testing.assert_close(tree_logits[:, node], alone, rtol=1e-5, atol=1e-5)
+
+
+def test_generate_matches_in_memory_target(checkpoints):
+    import specexec
+
+    folder, oracle = checkpoints["llama"]
+    torch.manual_seed(5)
+    draft = AutoModelForCausalLM.from_config(LlamaConfig(**{**SIZES, "num_hidden_layers": 1}))
+    prompt = torch.randint(97, (1, 6), generator=torch.Generator().manual_seed(4))
+    expected, _ = specexec.generate(oracle, draft.eval(), prompt, max_new_tokens=12, budget=8)
+    with offload.from_pretrained(folder, mode="ssd", device="cpu") as target:
+        tokens, _ = specexec.generate(target, draft, prompt, max_new_tokens=12, budget=8)
+    assert tokens == expected
+
+
+def test_filesystem_without_o_direct(checkpoints, monkeypatch):
+    """tmpfs and others refuse O_DIRECT: reads then go through the page cache, same logits."""
+    real_open = os.open
+
+    def refuse_direct(path, flags, *args):
+        if flags & getattr(os, "O_DIRECT", 0):
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", refuse_direct)
+    folder, oracle = checkpoints["llama"]
+    ids = torch.randint(97, (1, 7), generator=torch.Generator().manual_seed(8))
+    with offload.from_pretrained(folder, mode="ssd", device="cpu") as model:
+        torch.testing.assert_close(model(ids).logits, oracle(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+# ---- conversion: a per-layer offload folder when the checkpoint cannot be read as it is ----
+
+
+def test_dtype_conversion_writes_and_reuses_offload_folder(tmp_path):
+    oracle = save_model(tmp_path / "bf16", CONFIGS["llama"](), dtype=torch.bfloat16)
+    options = {"mode": "ssd", "device": "cpu", "dtype": torch.float32, "offload_dir": tmp_path}
+    ids = torch.randint(97, (1, 7), generator=torch.Generator().manual_seed(6))
+    with offload.from_pretrained(tmp_path / "bf16", **options) as model:
+        torch.testing.assert_close(model(ids).logits, oracle(ids).logits, rtol=1e-5, atol=1e-5)
+    (converted,) = tmp_path.glob("bf16-*-float32")
+    layer_files = sorted(converted.glob("layer_*.safetensors"))
+    assert len(layer_files) == 3 and (converted / "manifest.json").is_file()
+    written = [file.stat().st_mtime_ns for file in layer_files]
+    with offload.from_pretrained(tmp_path / "bf16", **options) as model:  # reused, not rewritten
+        torch.testing.assert_close(model(ids).logits, oracle(ids).logits, rtol=1e-5, atol=1e-5)
+    assert [file.stat().st_mtime_ns for file in layer_files] == written
+
+
+@pytest.mark.parametrize("mode", ["ram", "ssd"])
+def test_bin_checkpoint(tmp_path, mode):
+    torch.manual_seed(0)
+    oracle = AutoModelForCausalLM.from_config(CONFIGS["llama"]()).eval().requires_grad_(False)
+    oracle.config.save_pretrained(tmp_path / "bin")
+    torch.save(oracle.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
+    ids = torch.randint(97, (1, 7), generator=torch.Generator().manual_seed(7))
+    options = {"mode": mode, "device": "cpu", "offload_dir": tmp_path}
+    with offload.from_pretrained(tmp_path / "bin", **options) as model:
+        torch.testing.assert_close(model(ids).logits, oracle(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+# ---- storage: one read per contiguous byte range ----
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    tensors=st.lists(
+        st.tuples(
+            st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), st.integers(1, 40)
+        ),
+        min_size=1,
+        max_size=8,
+    ),
+    data=st.data(),
+)
+def test_planned_reads_give_what_safetensors_loads(tensors, data):
+    """Any subset of a file's tensors, read through DiskStorage, equals what safetensors loads."""
+    from safetensors.torch import load_file, save_file
+
+    written = {f"t{k}": torch.randn(n).to(dtype) for k, (dtype, n) in enumerate(tensors)}
+    wanted = data.draw(st.lists(st.sampled_from(sorted(written)), min_size=1, unique=True))
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "f.safetensors"
+        save_file(written, path)
+        entries = offload.read_header(path)
+        storage = offload.DiskStorage([{name: entries[name] for name in wanted}])
+        slot = offload.page_aligned(storage.layouts[0].nbytes, torch.device("cpu"))  # as the ring
+        got = storage.layouts[0].views(storage.host_bytes(0, slot))
+        storage.close()
+        expected = load_file(path)
+    assert len(storage.reads[0]) <= len(wanted)
+    for name in wanted:
+        assert torch.equal(got[name], expected[name])
+
+
+# ---- the ring: never more than `buffers` layers on the device ----
+
+
+@pytest.mark.parametrize("buffers", [1, 2, 3])
+def test_resident_layers_never_exceed_buffers(tmp_path, buffers):
+    """Measured from events: a layer is resident from the start of its read to the end of its run.
+
+    Resident means holding a slot: wait() hands a slot out, and it stays taken until the layer
+    has run; the count therefore covers layers in flight, landed and running.
+    """
+    save_model(tmp_path, LlamaConfig(**{**SIZES, "num_hidden_layers": 5}))
+    with offload.from_pretrained(tmp_path, mode="ssd", device="cpu", buffers=buffers) as model:
+        events = []  # +1 when a layer's read starts (reader thread), -1 when its compute ends
+        storage = model.ring.storage
+        read = storage.host_bytes
+        storage.host_bytes = lambda layer, scratch: events.append(+1) or read(layer, scratch)
+        slots = [(slot.data_ptr(), slot.data_ptr() + slot.numel()) for slot in model.ring.slots]
+        bound = []  # at each layer's start: how many decoder layers have real weights
+
+        def before(layer, args):
+            real = [
+                any(p.device.type != "meta" for p in other.parameters()) for other in model.layers
+            ]
+            bound.append(sum(real))
+            for p in layer.parameters():  # and those weights live inside a ring slot
+                assert any(lo <= p.data_ptr() < hi for lo, hi in slots)
+            time.sleep(0.01)  # a slow layer: the reader has time to get as far ahead as it may
+
+        for layer in model.layers:
+            layer.register_forward_pre_hook(before)
+            layer.register_forward_hook(lambda *_: events.append(-1))
+        for n in (1, 4, 2):
+            model(torch.randint(97, (1, n)))
+    running = [sum(events[: i + 1]) for i in range(len(events))]
+    assert max(running) == buffers  # never more; and the ring does look that far ahead
+    assert set(bound) == {1}  # only the layer running has weights bound
+    assert len(model.ring.slots) == buffers
+
+
+# ---- bad input: a clear error, nothing lost ----
+
+
+def test_truncated_shard_names_the_file(checkpoints, tmp_path):
+    source, _ = checkpoints["llama"]
+    for file in source.iterdir():
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    shard = sorted(tmp_path.glob("*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-100])
+    for mode in ("ram", "ssd"):
+        with pytest.raises(
+            offload.OffloadError, match=f"truncated safetensors shard .*{shard.name}"
+        ):
+            offload.from_pretrained(tmp_path, mode=mode, device="cpu")
+    shard.unlink()
+    with pytest.raises(offload.OffloadError, match=f"missing checkpoint shard .*{shard.name}"):
+        offload.from_pretrained(tmp_path, mode="ssd", device="cpu")
+
+
+def test_unwritable_offload_folder(tmp_path):
+    save_model(tmp_path / "bf16", CONFIGS["llama"](), dtype=torch.bfloat16)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("mkdir under a regular file fails, even for root")
+    with pytest.raises(offload.OffloadError, match="cannot write offload folder"):
+        offload.from_pretrained(
+            tmp_path / "bf16", mode="ssd", device="cpu", dtype=torch.float32, offload_dir=blocker
+        )
+
+
+def test_disk_full_during_conversion_leaves_nothing_reusable(tmp_path, monkeypatch):
+    oracle = save_model(tmp_path / "bf16", CONFIGS["llama"](), dtype=torch.bfloat16)
+    options = {"mode": "ssd", "device": "cpu", "dtype": torch.float32, "offload_dir": tmp_path}
+    real_fsync, calls = os.fsync, []
+
+    def fsync_fills_disk(fd):  # the second layer file hits a full disk
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync_fills_disk)
+    with pytest.raises(offload.OffloadError, match="No space left on device"):
+        offload.from_pretrained(tmp_path / "bf16", **options)
+    (converted,) = tmp_path.glob("bf16-*-float32")
+    # the finished layer stays, the broken one left no .tmp behind, and there is no manifest
+    assert sorted(f.name for f in converted.iterdir()) == ["layer_000.safetensors"]
+    monkeypatch.setattr(os, "fsync", real_fsync)
+    ids = torch.randint(97, (1, 5))
+    with offload.from_pretrained(tmp_path / "bf16", **options) as model:  # converted again
+        torch.testing.assert_close(model(ids).logits, oracle(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_family_says_which_are(tmp_path):
+    GPT2Config(n_layer=2, n_embd=32, n_head=4).save_pretrained(tmp_path)
+    with pytest.raises(offload.OffloadError, match="'gpt2' is not supported; supported: llama"):
+        offload.from_pretrained(tmp_path, device="cpu")
+
+
+def test_dtype_the_device_cannot_run(checkpoints):
+    folder, _ = checkpoints["llama"]
+    with pytest.raises(offload.OffloadError, match="cpu cannot run torch.float8_e4m3fn"):
+        offload.from_pretrained(folder, device="cpu", dtype=torch.float8_e4m3fn)
