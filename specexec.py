@@ -518,7 +518,10 @@ class CLIOptions:
     )
     offload_dir: str = field(
         default=None,
-        metadata={"help": "folder for the ssd tier's per-layer files (default: next to the model)"},
+        metadata={
+            "help": "where the ssd tier keeps a per-layer copy when the checkpoint's own files "
+            "cannot be read in place (default: ~/.cache/specexec/offload)"
+        },
     )
 
 
@@ -631,9 +634,11 @@ class Streamer:
 def main(argv=None):
     import sys
 
+    from offload import OffloadError
+
     try:
         run(*parse_args(argv))
-    except SpecExecError as error:
+    except (SpecExecError, OffloadError) as error:
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)
 
@@ -672,7 +677,7 @@ def run(cli, options):
             mode=cli.offload,
             device=device,
             dtype=None if dtype == "auto" else dtype,
-            offload_dir=cli.offload_dir,
+            offload_dir=cli.offload_dir or Path.home() / ".cache" / "specexec" / "offload",
         )
     else:
         target = load_model(target_name, device, dtype)
@@ -693,6 +698,13 @@ def run(cli, options):
         f"\n\n{dim}specexec: {stats.summary()}; budget {opts.budget}, "
         f"{stats.draft_passes / max(1, stats.steps):.1f} draft passes/step{reset}"
     )
+    if cli.offload:
+        last = target.stats  # the last target pass
+        print(
+            f"{dim}offload ({cli.offload}): last target pass moved {last.bytes_moved / 1e9:.3f} GB "
+            f"in {last.pass_s:.3f}s ({last.gb_per_s:.2f} GB/s), {last.wait_s:.3f}s waiting for "
+            f"weights{reset}"
+        )
     if cli.compare:
         base_tokens, base = autoregressive(target, input_ids, eos_token_id=eos, **options)
         same = "identical output" if base_tokens == tokens else "outputs differ"

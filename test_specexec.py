@@ -451,3 +451,23 @@ def test_cli_runs_with_no_flags_and_compares(capsys):
     out = capsys.readouterr().out
     assert "tokens/step" in out and "tokens/s" in out
     assert "identical output" in out
+
+
+# ---- the notebook ----
+
+
+@needs_pair
+def test_notebook_runs_top_to_bottom():
+    """notebook.ipynb runs on the project's pair from the repo root; its own asserts check it."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    notebook = nbformat.read(HERE / "notebook.ipynb", as_version=4)  # executed here, not saved
+    client = NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(HERE)}}
+    )
+    client.execute()  # raises CellExecutionError at the first cell that fails
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    assert code and all(cell.execution_count for cell in code), "a code cell did not run"
+    errors = [out for cell in code for out in cell.outputs if out.output_type == "error"]
+    assert not errors, errors
