@@ -85,7 +85,7 @@ class Stats:
     steps: int = 0
     new_tokens: int = 0
     draft_passes: int = 0
-    accepted: list = field(default_factory=list)  # tokens gained per step (path + bonus)
+    accepted: list = field(default_factory=list)  # tokens emitted per step (path + bonus)
     tree_sizes: list = field(default_factory=list)  # nodes verified per step
     time_draft: float = 0.0
     time_target: float = 0.0
@@ -254,14 +254,16 @@ class DraftTree:
         return sorted(heapq.nsmallest(budget, nodes, key=self.key))
 
 
-def grow_tree(draft, cache, seq, opts, max_depth, stats):
+def grow_tree(draft, cache, seq, opts, stats, max_depth=None):
     """Best-first search for the `opts.budget` most probable continuations of `seq`.
 
     A heap holds the candidates: nodes discovered but not yet fed to the draft. Each draft
     pass takes the `width` best of them, runs them in one tree-masked batch (reusing the
     cache of the prefix and of all nodes fed before), and pushes each one's `branch` best
-    children. Passes per tree are bounded by `max_depth`, whatever the budget.
+    children. Passes per tree are bounded by the depth, whatever the budget: `max_depth`,
+    by default `opts.max_depth` (less near the end of the context).
     """
+    max_depth = max_depth or opts.max_depth
     # Pass 1: feed the trunk (what the draft's cache lacks, ending with the root).
     trunk = seq[cache.get_seq_length() :]
     logits = forward(draft, cache, trunk, chain(len(trunk)))  # (len(trunk), vocab)
@@ -272,10 +274,13 @@ def grow_tree(draft, cache, seq, opts, max_depth, stats):
 
     for _ in range(max_depth - 1):
         # A candidate outside today's best `budget` nodes can never enter it (the set only
-        # gets better), nor can its descendants, so expanding it is wasted work.
-        worst_kept = max(tree.key(node) for node in tree.best(opts.budget))
+        # gets better), nor can its descendants, so expanding it is wasted work. Once the set
+        # is full, neither is expanding its worst node: its children would rank below it.
+        best = tree.best(opts.budget)
+        worst_kept = max(tree.key(node) for node in best)
+        full = len(best) == opts.budget
         batch = []
-        while heap and len(batch) < opts.width and heap[0] <= worst_kept:
+        while heap and len(batch) < opts.width and (heap[0] < worst_kept or not full):
             batch.append(heapq.heappop(heap)[1])
         if not batch:
             break
@@ -333,7 +338,7 @@ def speculative_step(target, draft, target_cache, draft_cache, seq, opts, rng, s
     n_target = target_cache.get_seq_length()
     with timer(stats, "time_draft", draft.device):
         # Tree nodes at depth d sit at position len(seq) - 1 + d, which must fit the context.
-        tree = grow_tree(draft, draft_cache, seq, opts, min(opts.max_depth, room), stats)
+        tree = grow_tree(draft, draft_cache, seq, opts, stats, min(opts.max_depth, room))
         kept = tree.best(opts.budget)
     with timer(stats, "time_target", target.device):
         logits = verify(target, target_cache, seq, tree, kept)  # (1 + len(kept), vocab)
@@ -394,12 +399,12 @@ def decode(step, input_ids, opts, limit, eos_token_id, on_tokens):
     start = time.perf_counter()
     while len(new_tokens) < opts.max_new_tokens and len(seq) < limit:
         tokens = step(seq, rng, stats)
-        stats.steps += 1
-        stats.accepted.append(len(tokens))
         # Cut at the token limit, the context, and just after the first EOS.
         tokens = tokens[: min(opts.max_new_tokens - len(new_tokens), limit - len(seq))]
         ends = [i for i, t in enumerate(tokens) if t in eos]
         tokens = tokens[: ends[0] + 1] if ends else tokens
+        stats.steps += 1
+        stats.accepted.append(len(tokens))
         seq += tokens
         new_tokens += tokens
         if on_tokens is not None:
