@@ -500,7 +500,9 @@ class CLIOptions:
         default=None,
         metadata={"help": "prompt text (default: a held-out code prefix from models/prompts.json)"},
     )
-    prompt_index: int = field(default=0, metadata={"help": "which held-out prompt to use"})
+    prompt_index: int = field(
+        default=1, metadata={"help": "which of models/prompts.json's held-out prompts to use"}
+    )
     device: str = field(default=None, metadata={"help": "cuda or cpu (default: cuda if available)"})
     dtype: str = field(
         default="auto",

@@ -216,7 +216,11 @@ def evaluate(target, drafts, stream, cfg):
 
 
 def make_prompts(root, held_out, n_prompts=24, chars=600):
-    """Code prefixes from held-out files: text up to a line that starts a function body."""
+    """Code prefixes from held-out files, each ending with a `def ...:` line.
+
+    No newline at the end: the BPE merges a line break with the next line's indentation, so a
+    prompt ending in a bare newline would hand the model a token boundary it never saw.
+    """
     rng = random.Random(0)
     prompts = []
     for path in held_out:
@@ -227,7 +231,7 @@ def make_prompts(root, held_out, n_prompts=24, chars=600):
             continue
         i = rng.choice(defs)
         text = "".join(lines[: i + 1])[-chars:]
-        text = text[text.index("\n") + 1 :]  # start at a line boundary
+        text = text[text.index("\n") + 1 :].rstrip("\n")  # start at a line boundary
         prompts.append({"file": str(path.relative_to(root)), "prompt": text})
     rng.shuffle(prompts)
     return prompts[:n_prompts]
