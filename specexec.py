@@ -335,7 +335,6 @@ def accept(tree, kept, logits, opts, rng):
 
 def speculative_step(target, draft, target_cache, draft_cache, seq, opts, rng, stats, room):
     """One SpecExec step: draft tree, one target pass, acceptance, cache update; new tokens."""
-    n_target = target_cache.get_seq_length()
     with timer(stats, "time_draft", draft.device):
         # Tree nodes at depth d sit at position len(seq) - 1 + d, which must fit the context.
         tree = grow_tree(draft, draft_cache, seq, opts, stats, min(opts.max_depth, room))
@@ -344,19 +343,14 @@ def speculative_step(target, draft, target_cache, draft_cache, seq, opts, rng, s
         logits = verify(target, target_cache, seq, tree, kept)  # (1 + len(kept), vocab)
         path, bonus = accept(tree, kept, logits, opts, rng)
 
-    # Keep the caches to `seq` plus the accepted path (the bonus is the next root, unseen).
-    # Target: it saw the trunk, then the kept nodes in order.
-    n_trunk = len(seq) - n_target
-    index_in_kept = {node: i for i, node in enumerate(kept)}
-    keep_positions(
-        target_cache,
-        list(range(n_target + n_trunk)) + [n_target + n_trunk + index_in_kept[n] for n in path],
-    )
-    # Draft: it holds all of `seq`, then the fed nodes; the path's last node may be unfed
-    # (a leaf), and is then fed as trunk at the next step.
-    index_in_fed = {node: i for i, node in enumerate(tree.fed)}
-    fed_path = [index_in_fed[n] for n in path if n in index_in_fed]
-    keep_positions(draft_cache, list(range(len(seq))) + [len(seq) + i for i in fed_path])
+    # Both caches now hold all of `seq`, then tree nodes: the target's the kept ones, the
+    # draft's the fed ones, in order. Keep `seq` plus the accepted path; the bonus is the next
+    # root, seen by neither. The path's last node may be a leaf the draft never fed: it is
+    # then part of the draft's trunk at the next step.
+    n = len(seq)
+    keep_positions(target_cache, list(range(n)) + [n + kept.index(node) for node in path])
+    fed_path = [node for node in path if node in tree.fed]
+    keep_positions(draft_cache, list(range(n)) + [n + tree.fed.index(node) for node in fed_path])
 
     stats.tree_sizes.append(len(kept))
     return [tree.tokens[node] for node in path] + [bonus]
