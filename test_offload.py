@@ -357,3 +357,19 @@ def test_dtype_the_device_cannot_run(checkpoints):
     folder, _ = checkpoints["llama"]
     with pytest.raises(offload.OffloadError, match="cpu cannot run torch.float8_e4m3fn"):
         offload.from_pretrained(folder, device="cpu", dtype=torch.float8_e4m3fn)
+
+
+@pytest.mark.skipif(
+    not (Path(__file__).parent / "models" / "target" / "config.json").exists(),
+    reason="models/ not trained yet",
+)
+@pytest.mark.parametrize("mode", ["ram", "ssd"])
+def test_cli_runs_the_default_pair_offloaded(mode, tmp_path, capsys):
+    """`python specexec.py --offload ...` streams the target and reports the pass's bytes."""
+    import specexec
+
+    argv = ["--max-new-tokens", "12", "--offload", mode, "--offload-dir", str(tmp_path)]
+    specexec.main(argv + ["--compare"])
+    out = capsys.readouterr().out
+    assert f"offload ({mode}): last target pass moved" in out
+    assert "identical output" in out
