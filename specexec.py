@@ -662,6 +662,10 @@ def run(cli, options):
     use_template = cli.chat_template == "on" or (
         cli.chat_template == "auto" and tokenizer.chat_template is not None
     )
+    if use_template and tokenizer.chat_template is None:
+        raise SpecExecError(
+            f"{target_name}: its tokenizer has no chat template; use --chat-template off"
+        )
     if use_template:
         messages = [{"role": "user", "content": prompt}]
         input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
