@@ -650,7 +650,12 @@ def run(cli, options):
     from transformers import AutoTokenizer
 
     opts = Options(**options)  # checks the options before anything is loaded
-    device = torch.device(cli.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        device = torch.device(cli.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError as error:
+        raise SpecExecError(f"--device {cli.device}: {error}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SpecExecError("--device cuda: no CUDA device is available here; use --device cpu")
     dtype = resolve_dtype(cli.dtype, device)
     target_name = check_model_path(cli.target or str(HERE / "models" / "target"))
     draft_name = check_model_path(cli.draft or str(HERE / "models" / "draft"))

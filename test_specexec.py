@@ -409,9 +409,12 @@ def test_cli_rejects_bad_input_in_one_line(tmp_path, capsys):
         (["--target", good, "--draft", good, "--budget", "0"], "budget must be at least 1"),
         (["--target", good, "--draft", good, "--max-depth", "0"], "max_depth must be at least 1"),
         (["--target", good, "--draft", good, "--prompt", ""], "the prompt is empty"),
+        (["--target", good, "--draft", good, "--device", "tpu9"], "--device tpu9"),
         (["--target", good, "--draft", good, "--chat-template", "on"], "has no chat template"),
         (["--target", good, "--draft", good, "--prompt", "w1 " * 200], "the context holds 128"),
     ]
+    if not torch.cuda.is_available():
+        cases.append((["--target", good, "--draft", good, "--device", "cuda"], "no CUDA device"))
     for argv, message in cases:
         extra = [] if "--chat-template" in argv else ["--chat-template", "off"]
         code, err = run_cli(capsys, *argv, *extra)
