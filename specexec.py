@@ -577,7 +577,8 @@ def load_config(name):
     try:
         config = AutoConfig.from_pretrained(name)
     except (OSError, ValueError) as error:
-        raise SpecExecError(f"{name}: cannot load its config ({str(error).splitlines()[0]})")
+        message = str(error).splitlines()[0]
+        raise SpecExecError(f"{name}: cannot load its config ({message})") from None
     if config.model_type not in SUPPORTED_FAMILIES:
         raise SpecExecError(
             f"{name}: model family '{config.model_type}' is not supported; "
@@ -664,14 +665,10 @@ def run(cli, options):
     check_same_tokenizer(tokenizer, AutoTokenizer.from_pretrained(draft_name))
 
     prompt = cli.prompt if cli.prompt is not None else default_prompt(cli.prompt_index)
-    use_template = cli.chat_template == "on" or (
-        cli.chat_template == "auto" and tokenizer.chat_template is not None
-    )
-    if use_template and tokenizer.chat_template is None:
-        raise SpecExecError(
-            f"{target_name}: its tokenizer has no chat template; use --chat-template off"
-        )
-    if use_template:
+    has_template = tokenizer.chat_template is not None
+    if cli.chat_template == "on" and not has_template:
+        raise SpecExecError(f"{target_name}: its tokenizer has no chat template")
+    if cli.chat_template != "off" and has_template:
         messages = [{"role": "user", "content": prompt}]
         input_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         input_ids = input_ids["input_ids"] if isinstance(input_ids, dict) else input_ids
@@ -692,12 +689,12 @@ def run(cli, options):
     else:
         target = load_model(target_name, device, dtype)
     draft = load_model(draft_name, device, dtype)
-    eos = {tokenizer.eos_token_id} | set(
-        as_list(target.generation_config.eos_token_id)
-        if hasattr(target, "generation_config")
-        else []
-    )
+    # Stop at any EOS the tokenizer or the model's generation config names.
+    config_eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
+    eos = {tokenizer.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos])}
     eos.discard(None)
+    if options["seed"] is None:  # one seed for both runs, so --compare can match them
+        options["seed"] = torch.seed()
 
     dim, reset = ("\033[2m", "\033[0m") if sys.stdout.isatty() else ("", "")
     print(f"{dim}{tokenizer.decode(input_ids)}{reset}", end="", flush=True)
@@ -726,10 +723,6 @@ def run(cli, options):
                 f"{dim}(on this device a pass over a whole tree costs more than a one-token pass; "
                 f"SpecExec pays where the target's weights stream from RAM or disk){reset}"
             )
-
-
-def as_list(value):
-    return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
 if __name__ == "__main__":
