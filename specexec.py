@@ -233,15 +233,24 @@ class DraftTree:
         """Best first: higher cum_logprob; on a tie the earlier node, so parents come first."""
         return (-self.cum_logprob[node], node)
 
-    def add_children(self, node, logprobs, branch, heap):
-        """Add the `branch` most probable children of `node` and push them as candidates."""
-        top = torch.topk(logprobs, min(branch, logprobs.numel()))
-        for logprob, token in zip(top.values.tolist(), top.indices.tolist()):
-            child = len(self.tokens)
-            self.tokens.append(token)
-            self.parents.append(node)
-            self.cum_logprob.append(self.cum_logprob[node] + logprob)
-            heapq.heappush(heap, self.key(child))
+    def add_children(self, nodes, logprobs, branch, heap):
+        """Add each node's `branch` most probable children; push them as candidates.
+
+        logprobs: (len(nodes), vocab), the draft's next-token log-probabilities at each node.
+        """
+        top = torch.topk(logprobs, min(branch, logprobs.shape[-1]))  # (len(nodes), branch) each
+        for node, values, tokens in zip(nodes, top.values.tolist(), top.indices.tolist()):
+            for logprob, token in zip(values, tokens):
+                child = len(self.tokens)
+                self.tokens.append(token)
+                self.parents.append(node)
+                self.cum_logprob.append(self.cum_logprob[node] + logprob)
+                heapq.heappush(heap, self.key(child))
+
+    def best_keys(self, budget):
+        """Keys of the `budget` most probable nodes except the root, best first."""
+        negated = (-logprob for logprob in self.cum_logprob[1:])
+        return heapq.nsmallest(budget, zip(negated, range(1, len(self.tokens))))
 
     def best(self, budget):
         """The `budget` most probable nodes except the root, parents before children.
@@ -250,8 +259,7 @@ class DraftTree:
         path times one more probability <= 1, so the child never ranks above its parent,
         and ties go to the earlier node, which the parent is.
         """
-        nodes = range(1, len(self.tokens))
-        return sorted(heapq.nsmallest(budget, nodes, key=self.key))
+        return sorted(node for _, node in self.best_keys(budget))
 
 
 def grow_tree(draft, cache, seq, opts, stats, max_depth=None):
@@ -270,15 +278,14 @@ def grow_tree(draft, cache, seq, opts, stats, max_depth=None):
     stats.draft_passes += 1
     tree = DraftTree(tokens=[seq[-1]], parents=[-1], cum_logprob=[0.0])
     heap = []  # keys of candidates, best first
-    tree.add_children(0, torch.log_softmax(logits[-1].float(), -1), opts.branch, heap)
+    tree.add_children([0], torch.log_softmax(logits[-1:].float(), -1), opts.branch, heap)
 
     for _ in range(max_depth - 1):
         # A candidate outside today's best `budget` nodes can never enter it (the set only
         # gets better), nor can its descendants, so expanding it is wasted work. Once the set
         # is full, neither is expanding its worst node: its children would rank below it.
-        best = tree.best(opts.budget)
-        worst_kept = max(tree.key(node) for node in best)
-        full = len(best) == opts.budget
+        kept_keys = tree.best_keys(opts.budget)
+        worst_kept, full = kept_keys[-1], len(kept_keys) == opts.budget
         batch = []
         while heap and len(batch) < opts.width and (heap[0] < worst_kept or not full):
             batch.append(heapq.heappop(heap)[1])
@@ -290,9 +297,7 @@ def grow_tree(draft, cache, seq, opts, stats, max_depth=None):
         logits = forward(draft, cache, [tree.tokens[node] for node in batch], parents)
         stats.draft_passes += 1
         tree.fed += batch
-        logprobs = torch.log_softmax(logits.float(), -1)  # (len(batch), vocab)
-        for node, node_logprobs in zip(batch, logprobs):
-            tree.add_children(node, node_logprobs, opts.branch, heap)
+        tree.add_children(batch, torch.log_softmax(logits.float(), -1), opts.branch, heap)
     return tree
 
 
