@@ -18,15 +18,18 @@ import torch
 import specexec
 
 
-def machine():
-    cpu = platform.processor() or platform.machine()
+def cpu_name():
+    """The processor's model name (Linux), else what `platform` knows."""
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+            return next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
     except (OSError, StopIteration):
-        pass
+        return platform.processor() or platform.machine()
+
+
+def machine():
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return f"{cpu}, {torch.get_num_threads()} threads, {gpu}; torch {torch.__version__}"
+    return f"{cpu_name()}, {torch.get_num_threads()} threads, {gpu}; torch {torch.__version__}"
 
 
 def main(argv=None):

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import offload
+from bench import cpu_name
 
 
 @dataclass
@@ -172,13 +173,11 @@ def proc_status(key: str) -> int:
 
 
 def report(opts: BenchOptions, tokens: list[int], runs: dict) -> str:
-    with open("/proc/cpuinfo") as cpuinfo:
-        cpu = next((line.split(":")[1].strip() for line in cpuinfo if "model name" in line), "?")
     layer_gb = runs["ssd"]["passes"][tokens[0]]["moved"] / opts.layers / 1e9
     resident_gb = 2 * opts.vocab * opts.hidden * 4 / 1e9  # embeddings and LM head, fp32
     kv_gb = 2 * opts.layers * max(1, opts.hidden // 512) * 64 * max(tokens) * 4 / 1e9
     lines = [
-        f"machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__}, "
+        f"machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         + f"{opts.threads} compute thread(s); load average {os.getloadavg()[0]:.1f} at the end",
         f"model: random Llama, fp32, {opts.layers} layers x {layer_gb:.3f} GB + resident parts "
         + f"{resident_gb:.2f} GB = {opts.layers * layer_gb + resident_gb:.2f} GB; "
