@@ -248,7 +248,10 @@ class DraftTree:
                 heapq.heappush(heap, self.key(child))
 
     def best_keys(self, budget):
-        """Keys of the `budget` most probable nodes except the root, best first."""
+        """Keys (as `key` makes them) of the `budget` best nodes except the root, best first.
+
+        Built from the lists directly: no Python call per node, as this runs every pass.
+        """
         negated = (-logprob for logprob in self.cum_logprob[1:])
         return heapq.nsmallest(budget, zip(negated, range(1, len(self.tokens))))
 

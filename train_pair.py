@@ -231,7 +231,7 @@ def make_prompts(root, held_out, n_prompts=24, chars=600):
             continue
         i = rng.choice(defs)
         text = "".join(lines[: i + 1])[-chars:]
-        text = text[text.index("\n") + 1 :].rstrip("\n")  # start at a line boundary
+        text = text[text.index("\n") + 1 :].rstrip("\n")  # whole lines only
         prompts.append({"file": str(path.relative_to(root)), "prompt": text})
     rng.shuffle(prompts)
     return prompts[:n_prompts]
