@@ -15,6 +15,7 @@ import time
 
 import torch
 
+import cli
 import specexec
 
 
@@ -34,9 +35,9 @@ def machine():
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--target", default=str(specexec.HERE / "models" / "target"))
-    parser.add_argument("--draft", default=str(specexec.HERE / "models" / "draft"))
-    parser.add_argument("--prompt-file", default=str(specexec.HERE / "models" / "prompts.json"))
+    parser.add_argument("--target", default=str(cli.HERE / "models" / "target"))
+    parser.add_argument("--draft", default=str(cli.HERE / "models" / "draft"))
+    parser.add_argument("--prompt-file", default=str(cli.HERE / "models" / "prompts.json"))
     parser.add_argument("--budgets", default="1,16,64,256,1024", help="comma-separated")
     parser.add_argument("--prompts", type=int, default=6, help="held-out prompts to average over")
     parser.add_argument("--max-new-tokens", type=int, default=96)
@@ -56,8 +57,8 @@ def main(argv=None):
 
         target = offload.from_pretrained(args.target, mode=args.offload, device=device, dtype=dtype)
     else:
-        target = specexec.load_model(args.target, device, dtype)
-    draft = specexec.load_model(args.draft, device, dtype)
+        target = cli.load_model(args.target, device, dtype)
+    draft = cli.load_model(args.draft, device, dtype)
     prompts = json.loads(open(args.prompt_file).read())[: args.prompts]
     prompt_ids = [tokenizer(p["prompt"])["input_ids"] for p in prompts]
     eos = tokenizer.eos_token_id

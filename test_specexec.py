@@ -16,6 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import cli
 import specexec
 from specexec import SpecExecError
 
@@ -390,7 +391,7 @@ def save_tiny(path, family="llama", vocab_words=None):
 
 def run_cli(capsys, *argv):
     with pytest.raises(SystemExit) as exit_info:
-        specexec.main(list(argv))
+        cli.main(list(argv))
     err = capsys.readouterr().err
     return exit_info.value.code, err
 
@@ -449,7 +450,7 @@ def test_trained_pair_is_exact_and_speculates():
 
 @needs_pair
 def test_cli_runs_with_no_flags_and_compares(capsys):
-    specexec.main(["--max-new-tokens", "24", "--compare"])
+    cli.main(["--max-new-tokens", "24", "--compare"])
     out = capsys.readouterr().out
     assert "tokens/step" in out and "tokens/s" in out
     assert "identical output" in out
