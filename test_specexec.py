@@ -474,3 +474,221 @@ def test_notebook_runs_top_to_bottom():
     assert code and all(cell.execution_count for cell in code), "a code cell did not run"
     errors = [out for cell in code for out in cell.outputs if out.output_type == "error"]
     assert not errors, errors
+
+
+# ---- configs shaped like real checkpoints ----
+
+# Each entry is a real checkpoint's config.json: its family and every option that changes the
+# computation kept as published, only the sizes scaled down (heads and kv heads in the same
+# ratio). Common sizes are in `real_model`. Exactness runs these in float64, as above.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,  # 8192 in the checkpoints, scaled with the context
+}
+REAL_SHAPES = {
+    # Llama-3.1-8B: GQA 32/8, untied head, llama3 rope scaling, theta 500000
+    "llama3.1": dict(
+        model_type="llama", hidden_size=32, num_attention_heads=4, num_key_value_heads=1,
+        rope_theta=500000.0, rope_scaling=LLAMA3_ROPE, tie_word_embeddings=False,
+    ),
+    # Llama-3.2-1B: the same with a tied head and scaling factor 32
+    "llama3.2": dict(
+        model_type="llama", hidden_size=32, num_attention_heads=4, num_key_value_heads=1,
+        rope_theta=500000.0, rope_scaling={**LLAMA3_ROPE, "factor": 32.0},
+        tie_word_embeddings=True,
+    ),
+    # SmolLM2-135M: llama, 9 heads / 3 kv heads, tied, theta 100000
+    "smollm2": dict(
+        model_type="llama", hidden_size=72, num_attention_heads=9, num_key_value_heads=3,
+        rope_theta=100000.0, tie_word_embeddings=True,
+    ),
+    # TinyLlama-1.1B: llama, GQA 32/4, untied
+    "tinyllama": dict(
+        model_type="llama", hidden_size=32, num_attention_heads=8, num_key_value_heads=1,
+        tie_word_embeddings=False,
+    ),
+    # Qwen2.5-0.5B: q/k/v biases, GQA 14/2, tied; its sliding window is configured but off
+    "qwen2.5": dict(
+        model_type="qwen2", hidden_size=56, num_attention_heads=7, num_key_value_heads=1,
+        rope_theta=1000000.0, tie_word_embeddings=True,
+        use_sliding_window=False, sliding_window=32768, max_window_layers=21,
+    ),
+    # Qwen3-0.6B: q/k RMSNorm, GQA 16/8, head_dim 128 != hidden / heads = 64, tied
+    "qwen3": dict(
+        model_type="qwen3", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, rope_theta=1000000.0, tie_word_embeddings=True,
+    ),
+    # Mistral-7B-v0.1: GQA 32/8, untied, a sliding window (4096) shorter than the context
+    "mistral-v0.1": dict(
+        model_type="mistral", hidden_size=32, num_attention_heads=4, num_key_value_heads=1,
+        sliding_window=24, tie_word_embeddings=False,
+    ),
+    # Qwen2 with its sliding window on: layers from max_window_layers on slide, the first not
+    "qwen2-sliding": dict(
+        model_type="qwen2", hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+        use_sliding_window=True, sliding_window=24, max_window_layers=1,
+    ),
+}  # fmt: skip
+
+
+@functools.lru_cache(maxsize=None)
+def real_model(name, layers=2, dtype=torch.float64):
+    """A random model of REAL_SHAPES[name] (vocab 97 as in test_offload.py).
+
+    Norm weights and biases start as ones and zeros; they get random values here, so that a
+    q/k norm or an attention bias that was dropped or misplaced would change the logits.
+    """
+    import transformers
+
+    options = dict(REAL_SHAPES[name])
+    config = transformers.AutoConfig.for_model(
+        options.pop("model_type"),
+        vocab_size=97,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        max_position_embeddings=128,
+        initializer_range=0.3,  # peaky next-token distributions, as in tiny_model
+        **options,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(dtype).eval()
+    with torch.no_grad():
+        for param_name, param in model.named_parameters():
+            if param_name.endswith("norm.weight"):
+                param.uniform_(0.5, 1.5)
+            elif param_name.endswith("bias"):
+                param.normal_(0.0, 0.3)
+    return model
+
+
+@functools.lru_cache(maxsize=None)
+def cut_draft(name):
+    """A draft cut from the target as users cut one: its embeddings, first layer and head."""
+    draft = real_model(name, layers=1)
+    # one layer of the target's config: keys of deeper layers are left out
+    draft.load_state_dict(real_model(name).state_dict(), strict=False)
+    return draft
+
+
+def hugging_face_greedy(model, prompt, max_new_tokens):
+    """Independent oracle: Hugging Face's own greedy `generate` (no EOS stop), new tokens only."""
+    ids = torch.tensor([prompt])  # (1, n)
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=False,
+        max_new_tokens=max_new_tokens, eos_token_id=None,
+    )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
+
+
+def test_real_shapes_keep_their_options():
+    """The scaled-down configs really carry the options they are named for."""
+    for name in REAL_SHAPES:
+        model = real_model(name)
+        config = model.config
+        assert config.num_key_value_heads < config.num_attention_heads, name  # GQA
+        tied = model.lm_head.weight is model.model.embed_tokens.weight
+        assert tied == config.tie_word_embeddings, name
+    llama3 = real_model("llama3.1")
+    assert llama3.model.rotary_emb.rope_type == "llama3"
+    plain = 500000.0 ** -(torch.arange(0, 8, 2, dtype=torch.float64) / 8)  # unscaled rope
+    scaled = llama3.model.rotary_emb.inv_freq  # (head_dim / 2,)
+    # llama3 scaling keeps short wavelengths and divides long ones (here > 32) by the factor
+    torch.testing.assert_close(scaled[[0, -1]], plain[[0, -1]] / torch.tensor([1.0, 8.0]))
+    assert real_model("qwen2.5").model.layers[0].self_attn.q_proj.bias.abs().sum() > 0
+    qwen3 = real_model("qwen3").model.layers[0].self_attn
+    assert qwen3.q_norm.weight.shape == (16,) and qwen3.q_proj.out_features == 4 * 16 != 32
+    # the context SpecExec may use: capped by a window only where one is in use
+    assert specexec.context_length(real_model("qwen2.5").config) == 128
+    assert specexec.context_length(real_model("mistral-v0.1").config) == 24
+    assert real_model("qwen2-sliding").config.layer_types == ["full_attention", "sliding_attention"]
+    assert specexec.context_length(real_model("qwen2-sliding").config) == 24
+
+
+@pytest.mark.parametrize("name", REAL_SHAPES)
+@settings(max_examples=3, **SETTINGS)
+@given(
+    prompt=st.lists(st.integers(0, 96), min_size=1, max_size=12),
+    budget=st.integers(1, 48),
+    max_depth=st.integers(1, 8),
+    width=st.integers(1, 8),
+    cut=st.booleans(),
+    max_new_tokens=st.integers(1, 20),
+)
+def test_real_shapes_greedy_equals_target_and_hugging_face(
+    name, prompt, budget, max_depth, width, cut, max_new_tokens
+):
+    target = real_model(name)
+    draft = cut_draft(name) if cut else target  # the target as its own draft: long paths
+    with torch.no_grad():
+        expected, _ = specexec.autoregressive(target, prompt, max_new_tokens=max_new_tokens)
+        tokens, _ = specexec.generate(
+            target, draft, prompt, max_new_tokens=max_new_tokens,
+            budget=budget, max_depth=max_depth, width=width,
+        )  # fmt: skip
+    assert tokens == expected
+    # stopped by the token limit, or by a sliding window (see the next test)
+    room = specexec.context_length(target.config) - len(prompt)
+    assert len(tokens) == min(max_new_tokens, room)
+    assert hugging_face_greedy(target, prompt, max_new_tokens)[: len(tokens)] == tokens
+
+
+@pytest.mark.parametrize("name", ["mistral-v0.1", "qwen2-sliding"])
+def test_sliding_window_run_stops_at_the_window_and_matches_up_to_there(name):
+    """Up to the window, sliding-window attention is full attention: SpecExec stops there.
+
+    Its tree mask lets every node see the whole cache, so past the window it would differ
+    from the model; the context is therefore capped at the window (specexec.context_length).
+    """
+    target = real_model(name)
+    prompt = list(range(10, 20))
+    with torch.no_grad():
+        tokens, stats = specexec.generate(target, target, prompt, max_new_tokens=100, budget=32)
+        expected, _ = specexec.autoregressive(target, prompt, max_new_tokens=100)
+    assert len(prompt) + len(tokens) == target.config.sliding_window == 24
+    assert tokens == expected and stats.tokens_per_step > 2
+    assert hugging_face_greedy(target, prompt, 30)[: len(tokens)] == tokens
+
+
+def test_sliding_layers_of_a_config_built_cache_drop_old_entries():
+    """Why SpecExec builds its caches as `DynamicCache()`, without the model's config.
+
+    Given the config, transformers 5 makes sliding-window layers that keep only the last
+    window - 1 entries; a step's `keep_positions` gathers entries by their position in the
+    sequence, which such a layer no longer holds once a tree has pushed it past the window.
+    """
+    from transformers import DynamicCache
+
+    target = real_model("mistral-v0.1")
+    ids = torch.arange(30)[None]  # (1, 30): longer than the window of 24
+    with torch.no_grad():
+        trimmed, plain = DynamicCache(config=target.config), DynamicCache()
+        target(ids, past_key_values=trimmed)
+        target(ids, past_key_values=plain)
+    assert trimmed.layers[0].keys.shape[-2] == 23 and trimmed.get_seq_length() == 30
+    assert plain.layers[0].keys.shape[-2] == 30
+
+
+@pytest.mark.parametrize("name", REAL_SHAPES)
+def test_real_shapes_kept_caches_equal_a_fresh_forward(name):
+    """After several steps each cache, run on by Hugging Face itself, gives a fresh forward."""
+    from transformers import DynamicCache
+
+    target, draft = real_model(name), cut_draft(name)
+    limit = specexec.context_length(target.config)
+    opts = specexec.Options(budget=24, max_depth=5, width=4, branch=3)
+    target_cache, draft_cache = DynamicCache(), DynamicCache()
+    seq, stats, rng = [9, 8, 7, 6], specexec.Stats(), torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        while len(seq) + opts.max_depth + 1 <= limit and stats.steps < 6:  # within a window
+            seq += specexec.speculative_step(
+                target, draft, target_cache, draft_cache, seq, opts, rng, stats, limit - len(seq)
+            )
+            stats.steps += 1
+            assert target_cache.get_seq_length() == len(seq) - 1
+        for model, cache in ((target, target_cache), (draft, draft_cache)):
+            trunk = torch.tensor([seq[cache.get_seq_length() :]])  # (1, n_trunk)
+            logits = model(trunk, past_key_values=cache).logits[0, -1]  # (vocab,)
+            torch.testing.assert_close(logits, fresh_logits(model, seq), rtol=1e-9, atol=1e-9)
