@@ -373,3 +373,53 @@ def test_cli_runs_the_default_pair_offloaded(mode, tmp_path, capsys):
     out = capsys.readouterr().out
     assert f"offload ({mode}): last target pass moved" in out
     assert "identical output" in out
+
+
+# ---- configs shaped like real checkpoints (REAL_SHAPES in test_specexec.py) ----
+
+from test_specexec import REAL_SHAPES  # noqa: E402  (the configs are written once, there)
+
+
+@pytest.fixture(scope="module")
+def real_checkpoints(tmp_path_factory):
+    """name -> (folder, in-memory model), float32, for each config shaped like a real one."""
+    from test_specexec import real_model
+
+    out = {}
+    for name in REAL_SHAPES:
+        folder = tmp_path_factory.mktemp(name)
+        out[name] = folder, real_model(name, dtype=torch.float32)
+        out[name][1].save_pretrained(folder, max_shard_size="30KB")
+    return out
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("mode", ["ram", "ssd"])
+@pytest.mark.parametrize("name", REAL_SHAPES)
+def test_real_shapes_offloaded_logits_match(real_checkpoints, name, mode, attention, tmp_path):
+    """The check above (prefill, then tree-masked steps on a kept cache) on each real shape.
+
+    Its cache holds at most 22 entries, inside the sliding windows (24): a config-built cache
+    trims sliding layers to the window, which its position-based keep would not survive.
+    """
+    test_logits_match_in_memory_model(real_checkpoints, name, mode, attention, tmp_path)
+
+
+@pytest.mark.parametrize("name", REAL_SHAPES)
+def test_real_shapes_generate_with_offloaded_target(real_checkpoints, name):
+    """SpecExec emits the same tokens with the target offloaded as with it in memory.
+
+    Both runs make the same passes with the same kernels, so even float32 cannot tell them apart.
+    Sliding-window shapes stop at their window (24) on both sides.
+    """
+    import specexec
+    from test_specexec import cut_draft
+
+    folder, oracle = real_checkpoints[name]
+    draft = cut_draft(name, dtype=torch.float32)
+    prompt = torch.randint(97, (1, 6), generator=torch.Generator().manual_seed(4))
+    options = dict(max_new_tokens=24, budget=16)
+    expected, _ = specexec.generate(oracle, draft, prompt, **options)
+    with offload.from_pretrained(folder, mode="ram", device="cpu") as target:
+        tokens, _ = specexec.generate(target, draft, prompt, **options)
+    assert tokens == expected and len(tokens) == min(24, specexec.context_length(oracle.config) - 6)

@@ -565,11 +565,11 @@ def real_model(name, layers=2, dtype=torch.float64):
 
 
 @functools.lru_cache(maxsize=None)
-def cut_draft(name):
+def cut_draft(name, dtype=torch.float64):
     """A draft cut from the target as users cut one: its embeddings, first layer and head."""
-    draft = real_model(name, layers=1)
+    draft = real_model(name, layers=1, dtype=dtype)
     # one layer of the target's config: keys of deeper layers are left out
-    draft.load_state_dict(real_model(name).state_dict(), strict=False)
+    draft.load_state_dict(real_model(name, dtype=dtype).state_dict(), strict=False)
     return draft
 
 
