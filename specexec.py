@@ -303,12 +303,14 @@ class DraftTree:
     cum_logprob: list  # draft log-probability of the path from the root (root: 0)
     fed: list = field(default_factory=list)  # nodes (not the root) in the draft's cache, in order
 
+    def key(self, node):
+        """Best first: higher cum_logprob; on a tie the earlier node, so parents come first."""
+        return (-self.cum_logprob[node], node)
+
     def add_children(self, nodes, logprobs, branch, heap):
         """Add each node's `branch` most probable children; push them as candidates.
 
         logprobs: (len(nodes), vocab), the draft's next-token log-probabilities at each node.
-        A candidate's key (-cum_logprob, node) puts the most probable first and, on a tie,
-        the earlier node, so a parent always comes before its children.
         """
         top = torch.topk(logprobs, min(branch, logprobs.shape[-1]))  # (len(nodes), branch) each
         for node, values, tokens in zip(nodes, top.values.tolist(), top.indices.tolist()):
@@ -317,10 +319,10 @@ class DraftTree:
                 self.tokens.append(token)
                 self.parents.append(node)
                 self.cum_logprob.append(self.cum_logprob[node] + logprob)
-                heapq.heappush(heap, (-self.cum_logprob[child], child))
+                heapq.heappush(heap, self.key(child))
 
     def best_keys(self, budget):
-        """Keys (as `add_children` makes them) of the `budget` best nodes but the root, best first.
+        """Keys (as `key` makes them) of the `budget` best nodes except the root, best first.
 
         Built from the lists directly: no Python call per node, as this runs every pass.
         """
