@@ -30,13 +30,16 @@ The sequence `seq` is the prompt plus every accepted token. The invariant that m
 caches simple: after each step, each model's KV cache holds a prefix of `seq` that does not
 include its last token (the root of the next tree); a model is always fed the part of `seq`
 its cache lacks (the "trunk") before anything else. The first step's trunk is the prompt.
+`speculative_step` checks the invariant at the end of every step.
 """
 
 import heapq
+import math
+import numbers
 import time
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -48,30 +51,47 @@ class SpecExecError(ValueError):
 # ---- config ----
 
 
+def option(default, help):
+    """A config field and its help text (the CLI's `--help` shows it)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class Options:
     """Generation options: one source of defaults for `generate`, `autoregressive` and the CLI."""
 
-    max_new_tokens: int = field(default=128, metadata={"help": "stop after this many new tokens"})
-    budget: int = field(default=256, metadata={"help": "draft tree size: nodes verified per step"})
-    max_depth: int = field(default=16, metadata={"help": "max tree depth = draft passes per step"})
-    width: int = field(default=32, metadata={"help": "beam width: nodes expanded per draft pass"})
-    branch: int = field(default=8, metadata={"help": "children kept per expanded node"})
-    temperature: float = field(default=0.0, metadata={"help": "0 = greedy (exact argmax)"})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling mass (1 = off)"})
-    top_k: int = field(default=0, metadata={"help": "sample from the k most likely (0 = off)"})
-    seed: int | None = field(
-        default=None, metadata={"help": "random seed for sampling (default: a fresh one)"}
-    )
+    max_new_tokens: int = option(128, "stop after this many new tokens")
+    budget: int = option(256, "draft tree size: nodes verified per step")
+    max_depth: int = option(16, "max tree depth = draft passes per step")
+    width: int = option(32, "beam width: nodes expanded per draft pass")
+    branch: int = option(8, "children kept per expanded node")
+    temperature: float = option(0.0, "0 = greedy (exact argmax)")
+    top_p: float = option(1.0, "nucleus sampling mass (1 = off)")
+    top_k: int = option(0, "sample from the k most likely (0 = off)")
+    seed: int | None = option(None, "random seed for sampling (default: a fresh one)")
 
     def __post_init__(self):
+        for f in fields(self):
+            value, integer = getattr(self, f.name), f.type is not float  # seed: int or None
+            kind = numbers.Integral if integer else numbers.Real  # a bool is no count
+            if (value is not None or f.default is not None) and (
+                isinstance(value, bool) or not isinstance(value, kind)
+            ):
+                kind = "an integer" if integer else "a number"
+                raise SpecExecError(f"{f.name} must be {kind}, got {value!r}")
         for name in ("budget", "max_depth", "width", "branch"):
             if getattr(self, name) < 1:
                 raise SpecExecError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.max_new_tokens < 0 or self.temperature < 0 or self.top_k < 0:
-            raise SpecExecError("max_new_tokens, temperature and top_k cannot be negative")
+        if self.max_new_tokens < 0 or self.top_k < 0:
+            raise SpecExecError("max_new_tokens and top_k cannot be negative")
+        # A floor: logits / temperature stays finite for any float32 logit (3.4e38 / 1e-4 fits
+        # a float64), and below 1e-4 sampling is greedy decoding in all but exact ties anyway.
+        if not (self.temperature == 0 or 1e-4 <= self.temperature < math.inf):
+            raise SpecExecError(f"temperature must be 0 or in [1e-4, inf), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise SpecExecError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise SpecExecError(f"seed must be in [0, 2**64), got {self.seed}")
 
 
 @dataclass
@@ -111,6 +131,75 @@ class Stats:
             f"(draft {self.time_draft:.2f}s, target {self.time_target:.2f}s, "
             f"other {self.time_other:.2f}s)"
         )
+
+
+@contextmanager
+def timer(stats, name, device):
+    """Add the wall time of a block to `stats.<name>`; wait for the GPU so the split is true."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
+    sync()
+    start = time.perf_counter()
+    yield
+    sync()
+    setattr(stats, name, getattr(stats, name) + time.perf_counter() - start)
+
+
+# ---- input checks ----
+
+
+def context_length(config):
+    """Positions the model can use. Within a sliding window, full attention is exact."""
+    window = getattr(config, "sliding_window", None)
+    return min(config.max_position_embeddings, window or config.max_position_embeddings)
+
+
+def check_same_vocab_size(target, draft):
+    """Token ids must mean the same in both models (the CLI also compares token strings)."""
+    if draft.config.vocab_size > target.config.vocab_size:
+        raise SpecExecError(
+            f"the draft's vocabulary ({draft.config.vocab_size}) is larger than the target's "
+            f"({target.config.vocab_size}); they must share a tokenizer"
+        )
+
+
+def check_prompt(seq, limit):
+    if not seq:
+        raise SpecExecError("the prompt is empty")
+    if len(seq) >= limit:
+        raise SpecExecError(f"the prompt has {len(seq)} tokens; the context holds {limit}")
+
+
+def prompt_tokens(input_ids, limit, **models):
+    """The prompt as a list of ints, checked against the context and each model's vocabulary.
+
+    input_ids: a list of ints or an integer tensor (n,) or (1, n). models: role=model.
+    """
+    try:
+        ids = torch.as_tensor(input_ids)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise SpecExecError(f"input_ids must be a list of token ids ({error})") from None
+    if ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
+        raise SpecExecError(f"input_ids must be (n,) or (1, n), got shape {tuple(ids.shape)}")
+    if ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+        raise SpecExecError(f"input_ids must be integer token ids, got {ids.dtype}")
+    seq = ids.reshape(-1).tolist()
+    check_prompt(seq, limit)
+    for role, model in models.items():
+        vocab = model.config.vocab_size
+        outside = [token for token in seq if not 0 <= token < vocab]
+        if outside:
+            raise SpecExecError(
+                f"token id {outside[0]} is outside the {role}'s vocabulary ({vocab} tokens)"
+            )
+    return seq
+
+
+def stop_tokens(eos_token_id, model):
+    """Token ids to stop after: those given (an int or a list), else the model's generation
+    config's. `eos_token_id=[]` never stops early."""
+    if eos_token_id is None:
+        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
 
 
 # ---- sampling helpers ----
@@ -176,9 +265,15 @@ def tree_mask(parents, n_cached, dtype, device):
     return mask[None, None].to(device), positions.to(device)
 
 
-def forward(model, cache, tokens, parents):
+def chain(n):
+    """Parents of n tokens in a row (a causal mask)."""
+    return list(range(-1, n - 1))
+
+
+def tree_forward(model, cache, tokens, parents):
     """Run new `tokens` after the cache, as the last nodes of the tree `parents`; their logits.
 
+    One call serves the prompt (a chain), each draft pass and the target's verification.
     `parents` may start with tree nodes fed earlier, which are then the last entries of the
     cache (the draft's earlier passes); -1 marks a child of the last token before the tree.
     """
@@ -194,23 +289,6 @@ def forward(model, cache, tokens, parents):
         use_cache=True,
     )
     return out.logits[0]  # (n, vocab)
-
-
-def chain(n):
-    """Parents of n tokens in a row (a causal mask)."""
-    return list(range(-1, n - 1))
-
-
-def keep_positions(cache, keep):
-    """Keep only the cache entries at positions `keep` (in order), in every layer.
-
-    `DynamicCache.crop` can only drop a suffix; a step keeps the prefix plus one path
-    through the tree, which is scattered among the tree's entries, so we gather.
-    """
-    for layer in cache.layers:
-        index = torch.tensor(keep, dtype=torch.long, device=layer.keys.device)  # (n_keep,)
-        layer.keys = layer.keys.index_select(-2, index)  # (1, heads, n_keep, head_dim)
-        layer.values = layer.values.index_select(-2, index)
 
 
 # ---- draft tree (priority queue) ----
@@ -260,26 +338,36 @@ class DraftTree:
         """
         return sorted(node for _, node in self.best_keys(budget))
 
+    def local_parents(self, nodes):
+        """Each node's parent as an index into `nodes` (-1: the root), as `tree_mask` takes them.
 
-def grow_tree(draft, cache, seq, opts, stats, max_depth=None):
+        `nodes` lists parents before children and is closed under ancestors, but for the root.
+        """
+        index = {0: -1} | {node: i for i, node in enumerate(nodes)}
+        return [index[self.parents[node]] for node in nodes]
+
+
+def grow_tree(draft, cache, seq, opts, stats, limit):
     """Best-first search for the `opts.budget` most probable continuations of `seq`.
 
     A heap holds the candidates: nodes discovered but not yet fed to the draft. Each draft
     pass takes the `width` best of them, runs them in one tree-masked batch (reusing the
     cache of the prefix and of all nodes fed before), and pushes each one's `branch` best
-    children. Passes per tree are bounded by the depth, whatever the budget: `max_depth`,
-    by default `opts.max_depth` (less near the end of the context).
+    children. Passes per tree are bounded by the depth, whatever the budget: `opts.max_depth`,
+    less near the end of the context (`limit` positions).
     """
-    max_depth = max_depth or opts.max_depth
     # Pass 1: feed the trunk (what the draft's cache lacks, ending with the root).
     trunk = seq[cache.get_seq_length() :]
-    logits = forward(draft, cache, trunk, chain(len(trunk)))  # (len(trunk), vocab)
+    if max(trunk) >= draft.config.vocab_size:  # the prompt was checked, the target's picks not
+        raise SpecExecError(f"the target chose token id {max(trunk)}, which the draft lacks")
+    logits = tree_forward(draft, cache, trunk, chain(len(trunk)))  # (len(trunk), vocab)
     stats.draft_passes += 1
     tree = DraftTree(tokens=[seq[-1]], parents=[-1], cum_logprob=[0.0])
     heap = []  # keys of candidates, best first
     tree.add_children([0], torch.log_softmax(logits[-1:].float(), -1), opts.branch, heap)
 
-    for _ in range(max_depth - 1):
+    # Tree nodes at depth d sit at position len(seq) - 1 + d, which must fit the context.
+    for _ in range(min(opts.max_depth, limit - len(seq)) - 1):
         # A candidate outside today's best `budget` nodes can never enter it (the set only
         # gets better), nor can its descendants, so expanding it is wasted work. Once the set
         # is full, neither is expanding its worst node: its children would rank below it.
@@ -290,10 +378,8 @@ def grow_tree(draft, cache, seq, opts, stats, max_depth=None):
             batch.append(heapq.heappop(heap)[1])
         if not batch:
             break
-        # Parents as indices into (fed nodes + batch); -1 = the root, which is in the cache.
-        slot = {node: i for i, node in enumerate(tree.fed + batch)}
-        parents = [slot.get(tree.parents[node], -1) for node in tree.fed + batch]
-        logits = forward(draft, cache, [tree.tokens[node] for node in batch], parents)
+        parents = tree.local_parents(tree.fed + batch)  # the fed nodes are in the cache
+        logits = tree_forward(draft, cache, [tree.tokens[node] for node in batch], parents)
         stats.draft_passes += 1
         tree.fed += batch
         tree.add_children(batch, torch.log_softmax(logits.float(), -1), opts.branch, heap)
@@ -306,10 +392,10 @@ def grow_tree(draft, cache, seq, opts, stats, max_depth=None):
 def verify(target, cache, seq, tree, kept):
     """ONE target pass over the trunk and the kept tree nodes; logits at the root and each node."""
     trunk = seq[cache.get_seq_length() :]  # usually just the root; the whole prompt at first
-    slot = {0: len(trunk) - 1, **{node: len(trunk) + i for i, node in enumerate(kept)}}
+    # After the trunk, local parent -1 (the root) lands on the trunk's last token.
+    parents = chain(len(trunk)) + [len(trunk) + i for i in tree.local_parents(kept)]
     tokens = trunk + [tree.tokens[node] for node in kept]
-    parents = chain(len(trunk)) + [slot[tree.parents[node]] for node in kept]
-    logits = forward(target, cache, tokens, parents)  # (len(trunk) + len(kept), vocab)
+    logits = tree_forward(target, cache, tokens, parents)  # (len(trunk) + len(kept), vocab)
     return logits[len(trunk) - 1 :]  # (1 + len(kept), vocab): root first, then kept
 
 
@@ -321,40 +407,53 @@ def accept(tree, kept, logits, opts, rng):
     token. Every emitted token is thus the target's choice given everything before it, so
     the output is the target's greedy decoding (temperature 0) or an exact sample from it.
     """
-    row = {node: i for i, node in enumerate([0] + kept)}
+    row = {node: i for i, node in enumerate([0] + kept)}  # each node's row of `logits`
     child = {(tree.parents[node], tree.tokens[node]): node for node in kept}
-    if opts.temperature == 0:
-        picks = logits.argmax(-1).tolist()  # all picks in one go
-        pick = picks.__getitem__
-    else:
-        pick = lambda i: choose(logits[i], opts, rng)  # noqa: E731  (one draw per visited node)
     path, node = [], 0
     while True:
-        token = pick(row[node])
+        token = choose(logits[row[node]], opts, rng)  # one uniform draw per visited node
         if (node, token) not in child:
             return path, token
         node = child[(node, token)]
         path.append(node)
 
 
-def speculative_step(target, draft, target_cache, draft_cache, seq, opts, rng, stats, room):
+def keep_path(cache, nodes, path):
+    """Drop the tree from the cache but for `path`.
+
+    The cache ends with one entry per node of `nodes`, in order; what precedes them stays,
+    as do the entries of `path`'s nodes (those the cache holds). `DynamicCache.crop` can only
+    drop a suffix, and the path is scattered among the tree's entries, so we gather.
+    """
+    n_prefix = cache.get_seq_length() - len(nodes)
+    position = {node: n_prefix + i for i, node in enumerate(nodes)}
+    keep = list(range(n_prefix)) + [position[node] for node in path if node in position]
+    for layer in cache.layers:
+        index = torch.tensor(keep, dtype=torch.long, device=layer.keys.device)  # (n_keep,)
+        layer.keys = layer.keys.index_select(-2, index)  # (1, heads, n_keep, head_dim)
+        layer.values = layer.values.index_select(-2, index)
+
+
+def speculative_step(target, draft, target_cache, draft_cache, seq, opts, rng, stats, limit):
     """One SpecExec step: draft tree, one target pass, acceptance, cache update; new tokens."""
     with timer(stats, "time_draft", draft.device):
-        # Tree nodes at depth d sit at position len(seq) - 1 + d, which must fit the context.
-        tree = grow_tree(draft, draft_cache, seq, opts, stats, min(opts.max_depth, room))
+        tree = grow_tree(draft, draft_cache, seq, opts, stats, limit)
         kept = tree.best(opts.budget)
     with timer(stats, "time_target", target.device):
         logits = verify(target, target_cache, seq, tree, kept)  # (1 + len(kept), vocab)
         path, bonus = accept(tree, kept, logits, opts, rng)
 
     # Both caches now hold all of `seq`, then tree nodes: the target's the kept ones, the
-    # draft's the fed ones, in order. Keep `seq` plus the accepted path; the bonus is the next
-    # root, seen by neither. The path's last node may be a leaf the draft never fed: it is
-    # then part of the draft's trunk at the next step.
-    n = len(seq)
-    keep_positions(target_cache, list(range(n)) + [n + kept.index(node) for node in path])
-    fed_path = [node for node in path if node in tree.fed]
-    keep_positions(draft_cache, list(range(n)) + [n + tree.fed.index(node) for node in fed_path])
+    # draft's the fed ones. Keep `seq` plus the accepted path; the bonus is the next root,
+    # seen by neither. The path's last node may be a leaf the draft never fed: it is then
+    # part of the draft's trunk at the next step.
+    keep_path(target_cache, kept, path)
+    keep_path(draft_cache, tree.fed, path)
+    # The invariant: the target's cache holds the new `seq` but its last token (the bonus),
+    # the draft's that too, or all but the path's last node if it never fed it.
+    n_seen = len(seq) + len(path)
+    lengths = draft_cache.get_seq_length(), target_cache.get_seq_length()
+    assert n_seen - 1 <= lengths[0] <= lengths[1] == n_seen, f"cache lengths {lengths}, {n_seen}"
 
     stats.tree_sizes.append(len(kept))
     return [tree.tokens[node] for node in path] + [bonus]
@@ -363,34 +462,8 @@ def speculative_step(target, draft, target_cache, draft_cache, seq, opts, rng, s
 # ---- generation loop ----
 
 
-@torch.no_grad()
-def generate(target, draft, input_ids, *, eos_token_id=None, on_tokens=None, **options):
-    """SpecExec decoding. Returns (new_tokens, Stats); the target alone would emit the same.
-
-    input_ids: list of ints or a LongTensor (1, n). options: see `Options`.
-    on_tokens(list[int]) is called with each step's accepted tokens (for streaming).
-    """
-    from transformers import DynamicCache
-
-    opts = Options(**options)
-    check_same_vocab_size(target, draft)
-    limit = min(context_length(target.config), context_length(draft.config))
-    target_cache, draft_cache = DynamicCache(), DynamicCache()
-
-    def step(seq, rng, stats):
-        room = limit - len(seq)
-        return speculative_step(
-            target, draft, target_cache, draft_cache, seq, opts, rng, stats, room
-        )
-
-    return decode(step, input_ids, opts, limit, eos_token_id, on_tokens)
-
-
-def decode(step, input_ids, opts, limit, eos_token_id, on_tokens):
+def decode_loop(step, seq, opts, limit, eos, on_tokens):
     """The loop shared by SpecExec and the baseline: step until a stop condition holds."""
-    seq = as_token_list(input_ids)
-    check_prompt(seq, limit)
-    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
     rng = torch.Generator().manual_seed(opts.seed if opts.seed is not None else torch.seed())
     stats = Stats()
     new_tokens = []
@@ -414,45 +487,28 @@ def decode(step, input_ids, opts, limit, eos_token_id, on_tokens):
     return new_tokens, stats
 
 
-def check_prompt(seq, limit):
-    if not seq:
-        raise SpecExecError("the prompt is empty")
-    if len(seq) >= limit:
-        raise SpecExecError(f"the prompt has {len(seq)} tokens; the context holds {limit}")
+@torch.no_grad()
+def generate(target, draft, input_ids, *, eos_token_id=None, on_tokens=None, **options):
+    """SpecExec decoding. Returns (new_tokens, Stats); the target alone would emit the same.
 
+    input_ids: list of ints or a LongTensor (1, n). options: see `Options`.
+    eos_token_id: an int or a list; by default the target's generation config's; [] = none.
+    on_tokens(list[int]) is called with each step's accepted tokens (for streaming).
+    """
+    from transformers import DynamicCache
 
-def as_token_list(input_ids):
-    if isinstance(input_ids, torch.Tensor):
-        if input_ids.dim() == 2 and input_ids.shape[0] != 1:
-            raise SpecExecError(f"batch size must be 1, got input_ids {tuple(input_ids.shape)}")
-        return input_ids.reshape(-1).tolist()
-    return list(input_ids)
+    opts = Options(**options)
+    check_same_vocab_size(target, draft)
+    limit = min(context_length(target.config), context_length(draft.config))
+    seq = prompt_tokens(input_ids, limit, target=target, draft=draft)
+    target_cache, draft_cache = DynamicCache(), DynamicCache()
 
-
-def context_length(config):
-    """Positions the model can use. Within a sliding window, full attention is exact."""
-    window = getattr(config, "sliding_window", None)
-    return min(config.max_position_embeddings, window or config.max_position_embeddings)
-
-
-def check_same_vocab_size(target, draft):
-    """Token ids must mean the same in both models (the CLI also compares token strings)."""
-    if draft.config.vocab_size > target.config.vocab_size:
-        raise SpecExecError(
-            f"the draft's vocabulary ({draft.config.vocab_size}) is larger than the target's "
-            f"({target.config.vocab_size}); they must share a tokenizer"
+    def step(seq, rng, stats):
+        return speculative_step(
+            target, draft, target_cache, draft_cache, seq, opts, rng, stats, limit
         )
 
-
-@contextmanager
-def timer(stats, name, device):
-    """Add the wall time of a block to `stats.<name>`; wait for the GPU so the split is true."""
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
-    sync()
-    start = time.perf_counter()
-    yield
-    sync()
-    setattr(stats, name, getattr(stats, name) + time.perf_counter() - start)
+    return decode_loop(step, seq, opts, limit, stop_tokens(eos_token_id, target), on_tokens)
 
 
 # ---- autoregressive baseline ----
@@ -460,7 +516,7 @@ def timer(stats, name, device):
 
 @torch.no_grad()
 def autoregressive(model, input_ids, *, eos_token_id=None, on_tokens=None, **options):
-    """Plain decoding, one target pass per token, with the same sampling and Stats.
+    """Plain decoding, one target pass per token, with the same sampling, stopping and Stats.
 
     The reference SpecExec is held against: at temperature 0 and with the same seed at
     any temperature, `generate` returns exactly these tokens.
@@ -468,15 +524,17 @@ def autoregressive(model, input_ids, *, eos_token_id=None, on_tokens=None, **opt
     from transformers import DynamicCache
 
     opts = Options(**options)
+    limit = context_length(model.config)
+    seq = prompt_tokens(input_ids, limit, model=model)
     cache = DynamicCache()
 
     def step(seq, rng, stats):
         with timer(stats, "time_target", model.device):
             trunk = seq[cache.get_seq_length() :]
-            logits = forward(model, cache, trunk, chain(len(trunk)))  # (len(trunk), vocab)
+            logits = tree_forward(model, cache, trunk, chain(len(trunk)))  # (len(trunk), vocab)
             return [choose(logits[-1], opts, rng)]
 
-    return decode(step, input_ids, opts, context_length(model.config), eos_token_id, on_tokens)
+    return decode_loop(step, seq, opts, limit, stop_tokens(eos_token_id, model), on_tokens)
 
 
 # ---- command line ----

@@ -6,9 +6,11 @@ logits can flip an argmax between a batched tree pass and a one-token pass (in f
 such a flip is possible, as with any batched decoding; see README).
 """
 
+import copy
 import functools
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,7 @@ def random_parents(draw, max_nodes=24):
 
 
 def ancestors(parents, i):
+    """Oracle: node i and its ancestors, one parent at a time (tree_mask walks all at once)."""
     chain = []
     while i >= 0:
         chain.append(i)
@@ -105,8 +108,8 @@ def test_tree_logits_equal_per_path_forwards(family, prefix, parents, data):
     tokens = data.draw(st.lists(st.integers(0, 63), min_size=len(parents), max_size=len(parents)))
     cache = DynamicCache()
     with torch.no_grad():
-        specexec.forward(model, cache, prefix, specexec.chain(len(prefix)))
-        tree_logits = specexec.forward(model, cache, tokens, parents)  # (n, vocab)
+        specexec.tree_forward(model, cache, prefix, specexec.chain(len(prefix)))
+        tree_logits = specexec.tree_forward(model, cache, tokens, parents)  # (n, vocab)
     for i in range(len(parents)):
         path = [tokens[j] for j in reversed(ancestors(parents, i))]
         expected = fresh_logits(model, prefix + path)
@@ -134,7 +137,7 @@ def test_tree_is_best_budget_nodes_closed_under_ancestors(
     opts = specexec.Options(budget=budget, max_depth=max_depth, width=width, branch=branch)
     stats = specexec.Stats()
     with torch.no_grad():
-        tree = specexec.grow_tree(draft, DynamicCache(), prompt, opts, stats)
+        tree = specexec.grow_tree(draft, DynamicCache(), prompt, opts, stats, limit=128)
     kept = tree.best(budget)
     dropped = set(range(1, len(tree.tokens))) - set(kept)
     assert len(kept) <= budget
@@ -162,7 +165,7 @@ def test_tree_grows_best_first_until_budget_is_settled():
     opts = specexec.Options(budget=4, max_depth=50, width=4, branch=4)
     stats = specexec.Stats()
     with torch.no_grad():
-        specexec.grow_tree(draft, DynamicCache(), [1, 2, 3], opts, stats)
+        specexec.grow_tree(draft, DynamicCache(), [1, 2, 3], opts, stats, limit=128)
     assert stats.draft_passes < 50
 
 
@@ -198,13 +201,13 @@ def test_greedy_specexec_equals_greedy_target(
 
 def test_draft_equal_to_target_gains_more_tokens_per_step_with_budget():
     target = tiny_model("llama", 0, init=0.5)
-    prompt = [3, 1, 4, 1, 5]
+    prompt, no_eos = [3, 1, 4, 1, 5], dict(max_new_tokens=48, eos_token_id=[])  # all 48 tokens
     with torch.no_grad():
-        expected, _ = specexec.autoregressive(target, prompt, max_new_tokens=48)
+        expected, _ = specexec.autoregressive(target, prompt, **no_eos)
         per_step = []
         for budget in (1, 4, 16, 64):
             tokens, stats = specexec.generate(
-                target, target, prompt, max_new_tokens=48, budget=budget, max_depth=16
+                target, target, prompt, budget=budget, max_depth=16, **no_eos
             )
             assert tokens == expected
             per_step.append(stats.tokens_per_step)
@@ -219,18 +222,20 @@ def test_unrelated_draft_gains_almost_nothing_but_stays_exact():
     target = tiny_model("llama", 0, vocab=256, init=0.5)
     draft = tiny_model("llama", 1, vocab=256, init=0.5)
     with torch.no_grad():
-        expected, _ = specexec.autoregressive(target, [7, 8, 9], max_new_tokens=30)
-        tokens, stats = specexec.generate(target, draft, [7, 8, 9], max_new_tokens=30, budget=16)
+        expected, _ = specexec.autoregressive(target, [7, 8, 9], max_new_tokens=30, eos_token_id=[])
+        tokens, stats = specexec.generate(
+            target, draft, [7, 8, 9], max_new_tokens=30, budget=16, eos_token_id=[]
+        )
     assert tokens == expected
     assert stats.tokens_per_step < 1.3
 
 
 def test_stops_at_eos_and_at_the_context_limit():
     target = tiny_model("llama", 0, init=0.5, context=40)
-    prompt = list(range(30))
+    prompt, no_eos = list(range(30)), dict(max_new_tokens=100, eos_token_id=[])
     with torch.no_grad():
-        expected, _ = specexec.autoregressive(target, prompt, max_new_tokens=100)
-        tokens, _ = specexec.generate(target, target, prompt, max_new_tokens=100, budget=32)
+        expected, _ = specexec.autoregressive(target, prompt, **no_eos)
+        tokens, _ = specexec.generate(target, target, prompt, budget=32, **no_eos)
         assert tokens == expected and len(prompt) + len(tokens) == 40
         eos = expected[4]
         first = expected.index(eos)
@@ -322,7 +327,7 @@ def test_sampled_frequencies_match_the_target_distribution(temperature, top_p, t
         for seed in range(n):
             tokens, _ = specexec.generate(
                 target, draft, prompt, max_new_tokens=2, budget=8, max_depth=2,
-                temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, eos_token_id=[],
             )  # fmt: skip
             assert tuple(tokens) in counts  # never a token the filters removed
             counts[tuple(tokens)] += 1
@@ -348,32 +353,112 @@ def test_kept_caches_equal_a_fresh_forward(family):
     with torch.no_grad():
         for _ in range(6):
             seq += specexec.speculative_step(
-                target, draft, target_cache, draft_cache, seq, opts, rng, stats, room=100
+                target, draft, target_cache, draft_cache, seq, opts, rng, stats, limit=128
             )
             assert target_cache.get_seq_length() == len(seq) - 1
             assert draft_cache.get_seq_length() <= len(seq) - 1
         for model, cache in ((target, target_cache), (draft, draft_cache)):
             trunk = seq[cache.get_seq_length() :]
-            logits = specexec.forward(model, cache, trunk, specexec.chain(len(trunk)))[-1]
+            logits = specexec.tree_forward(model, cache, trunk, specexec.chain(len(trunk)))[-1]
             torch.testing.assert_close(logits, fresh_logits(model, seq), rtol=1e-9, atol=1e-9)
 
 
 # ---- bad input ----
 
 
-def test_bad_options_and_prompts_raise_clear_errors():
-    target = tiny_model("llama", 0, context=16)
-    for options, message in [
+@pytest.mark.parametrize(
+    "options, message",
+    [
         (dict(budget=0), "budget must be at least 1"),
         (dict(max_depth=0), "max_depth must be at least 1"),
         (dict(top_p=0.0), "top_p"),
-    ]:
-        with pytest.raises(SpecExecError, match=message):
-            specexec.generate(target, target, [1], **options)
-    with pytest.raises(SpecExecError, match="empty"):
-        specexec.generate(target, target, [])
-    with pytest.raises(SpecExecError, match="the context holds 16"):
-        specexec.generate(target, target, list(range(16)))
+        (dict(top_p=float("nan")), "top_p"),
+        (dict(max_new_tokens=-1), "max_new_tokens and top_k cannot be negative"),
+        (dict(budget="8"), "budget must be an integer, got '8'"),
+        (dict(budget=2.5), "budget must be an integer, got 2.5"),
+        (dict(width=True), "width must be an integer, got True"),
+        (dict(top_p="x"), "top_p must be a number, got 'x'"),
+        (dict(seed="1"), "seed must be an integer"),
+        (dict(temperature=float("nan")), "temperature must be 0 or in"),
+        (dict(temperature=float("inf")), "temperature must be 0 or in"),
+        (dict(temperature=1e-5), "temperature must be 0 or in"),
+        (dict(temperature=-1.0), "temperature must be 0 or in"),
+        (dict(seed=2**64), "seed must be in"),
+        (dict(seed=-1), "seed must be in"),
+    ],
+)
+def test_bad_options_raise_clear_errors(options, message):
+    target = tiny_model("llama", 0)
+    for decode in (specexec.generate, specexec.autoregressive):
+        models = (target, target) if decode is specexec.generate else (target,)
+        with pytest.raises(SpecExecError, match=re.escape(message)):
+            decode(*models, [1], **options)
+
+
+def test_good_edge_options_are_accepted():
+    """The bounds themselves are fine, and so is an int where a float is asked."""
+    specexec.Options(temperature=1e-4, top_p=1, seed=2**64 - 1, max_new_tokens=0)
+
+
+@pytest.mark.parametrize(
+    "input_ids, message",
+    [
+        ([], "the prompt is empty"),
+        (list(range(16)), "the context holds 16"),
+        (torch.tensor([[1, 2], [3, 4]]), "input_ids must be (n,) or (1, n), got shape (2, 2)"),
+        (torch.ones(1, 1, 3, dtype=torch.long), "got shape (1, 1, 3)"),
+        (torch.tensor([1.0, 2.0]), "input_ids must be integer token ids, got torch.float32"),
+        ([1, 2.5], "integer token ids"),
+        (["a", "b"], "input_ids must be a list of token ids"),
+        ([1, 64, 2], "token id 64 is outside the target's vocabulary (64 tokens)"),
+        ([-1], "token id -1 is outside the target's vocabulary"),
+        ([1, 40], "token id 40 is outside the draft's vocabulary (32 tokens)"),
+    ],
+)
+def test_bad_prompts_raise_clear_errors(input_ids, message):
+    target = tiny_model("llama", 0, context=16)
+    draft = tiny_model("llama", 1, vocab=32, context=16)
+    with pytest.raises(SpecExecError, match=re.escape(message)):
+        specexec.generate(target, draft, input_ids)
+    if "draft" not in message:  # the baseline checks its one model the same way
+        with pytest.raises(SpecExecError, match=re.escape(message.replace("target", "model"))):
+            specexec.autoregressive(target, input_ids)
+
+
+def test_a_tensor_prompt_equals_a_list_prompt():
+    target = tiny_model("llama", 0, init=0.5)
+    expected, _ = specexec.generate(target, target, [5, 6, 7], max_new_tokens=6)
+    for ids in (torch.tensor([[5, 6, 7]]), torch.tensor([5, 6, 7], dtype=torch.int32)):
+        assert specexec.generate(target, target, ids, max_new_tokens=6)[0] == expected
+
+
+def test_draft_larger_than_target_or_missing_the_targets_pick_is_a_clear_error():
+    small = tiny_model("llama", 1, vocab=32, init=0.5)
+    target = tiny_model("llama", 0, init=0.5)
+    with pytest.raises(SpecExecError, match="draft's vocabulary .64. is larger"):
+        specexec.generate(small, target, [1, 2])
+    # A smaller draft is allowed until the target picks a token the draft cannot embed.
+    expected, _ = specexec.autoregressive(target, [1, 2], max_new_tokens=30, eos_token_id=[])
+    first = next(token for token in expected[:-1] if token >= 32)
+    with pytest.raises(SpecExecError, match=f"the target chose token id {first}, which the draft"):
+        specexec.generate(target, small, [1, 2], max_new_tokens=30, eos_token_id=[])
+
+
+def test_eos_defaults_to_the_targets_generation_config():
+    """Without eos_token_id both decoders stop at the generation config's EOS; [] = never."""
+    from transformers import GenerationConfig
+
+    target = copy.copy(tiny_model("llama", 0, init=0.5))  # its own generation_config
+    prompt = [3, 1, 4]
+    full, _ = specexec.autoregressive(target, prompt, max_new_tokens=30, eos_token_id=[])
+    eos = full[6]
+    target.generation_config = GenerationConfig(eos_token_id=[eos, 63])
+    for decode in (
+        lambda **kw: specexec.generate(target, target, prompt, budget=8, **kw),
+        lambda **kw: specexec.autoregressive(target, prompt, **kw),
+    ):
+        assert decode(max_new_tokens=30)[0] == full[: full.index(eos) + 1]
+        assert decode(max_new_tokens=30, eos_token_id=[])[0] == full
 
 
 def save_tiny(path, family="llama", vocab_words=None):

@@ -29,30 +29,34 @@ import sys
 import sysconfig
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+
+from specexec import option
 
 # ---- config ----
 
 
 @dataclass
 class TrainConfig:
-    out: str = "models"
-    vocab_size: int = 4096
-    seq_len: int = 512
-    batch_size: int = 8
-    target_steps: int = 600
-    draft_steps: int = 400
-    target_lr: float = 2e-3
-    draft_lr: float = 3e-3
-    distill_weight: float = 0.9  # draft loss = w * KL(target || draft) + (1 - w) * CE
-    eval_batches: int = 16
-    seed: int = 0
-    threads: int = 1  # torch threads (0: torch's default)
-    draft_baseline: bool = False
+    """Training options: one source of defaults for the command line (`--help` lists them)."""
+
+    out: str = option("models", "where the models, prompts and logs are written")
+    vocab_size: int = option(4096, "BPE tokenizer vocabulary size")
+    seq_len: int = option(512, "training window, and the models' context length")
+    batch_size: int = option(8, "windows per optimizer step")
+    target_steps: int = option(600, "optimizer steps for the target")
+    draft_steps: int = option(400, "optimizer steps for the draft")
+    target_lr: float = option(2e-3, "peak learning rate of the target")
+    draft_lr: float = option(3e-3, "peak learning rate of the draft")
+    distill_weight: float = option(0.9, "w in draft loss = w * KL(target || draft) + (1 - w) * CE")
+    eval_batches: int = option(16, "held-out batches for the report")
+    seed: int = option(0, "random seed")
+    threads: int = option(1, "torch threads (0: torch's default)")
+    draft_baseline: bool = option(False, "also train the draft on data alone, for comparison")
 
 
 TARGET_SHAPE = dict(
@@ -240,15 +244,23 @@ def make_prompts(root, held_out, n_prompts=24, chars=600):
 # ---- main ----
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    for field, default in TrainConfig.__dataclass_fields__.items():
-        value = default.default
-        if isinstance(value, bool):
-            parser.add_argument(f"--{field.replace('_', '-')}", action="store_true")
+def parse_args(argv=None):
+    """A plain argparse command line: one flag per `TrainConfig` field, its default and help."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    for f in fields(TrainConfig):
+        flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"]
+        if f.type is bool:
+            parser.add_argument(flag, action="store_true", help=text)
         else:
-            parser.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
-    cfg = TrainConfig(**vars(parser.parse_args()))
+            parser.add_argument(flag, type=f.type, default=f.default, help=text)
+    return TrainConfig(**vars(parser.parse_args(argv)))
+
+
+def main(argv=None):
+    cfg = parse_args(argv)
     torch.manual_seed(cfg.seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
