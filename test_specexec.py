@@ -769,7 +769,7 @@ def test_real_shapes_kept_caches_equal_a_fresh_forward(name):
     with torch.no_grad():
         while len(seq) + opts.max_depth + 1 <= limit and stats.steps < 6:  # within a window
             seq += specexec.speculative_step(
-                target, draft, target_cache, draft_cache, seq, opts, rng, stats, limit - len(seq)
+                target, draft, target_cache, draft_cache, seq, opts, rng, stats, limit
             )
             stats.steps += 1
             assert target_cache.get_seq_length() == len(seq) - 1
