@@ -777,3 +777,29 @@ def test_real_shapes_kept_caches_equal_a_fresh_forward(name):
             trunk = torch.tensor([seq[cache.get_seq_length() :]])  # (1, n_trunk)
             logits = model(trunk, past_key_values=cache).logits[0, -1]  # (vocab,)
             torch.testing.assert_close(logits, fresh_logits(model, seq), rtol=1e-9, atol=1e-9)
+
+
+# ---- README's Python API snippet ----
+
+
+@pytest.mark.skipif(not (HERE / "models" / "target").exists(), reason="models/ not trained yet")
+def test_readme_api_snippet_runs_from_outside_the_repo(tmp_path):
+    """README's API code block runs as written in a folder outside the clone, the clone on
+    PYTHONPATH (as a user's script would, or after `pip install -e .`), and prints text."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    readme = (HERE / "README.md").read_text()
+    api = readme[readme.index("## Python API") :]
+    code = re.search(r"```python\n(.*?)```", api, re.S).group(1)
+    env = {**os.environ, "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    prompt = re.search(r'^prompt = "(.*)"$', code, re.M).group(1).encode().decode("unicode_escape")
+    text, summary = run.stdout.rstrip("\n").rsplit("\n", 1)
+    assert text.startswith(prompt) and text[len(prompt) :].strip(), run.stdout  # a continuation
+    assert re.match(r"\d+ tokens in \d+ steps: .* tokens/step", summary), summary
