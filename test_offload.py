@@ -27,6 +27,7 @@ from transformers import (
 )
 
 import offload
+import offload_files
 
 torch.set_num_threads(1)  # tiny models; leave the other core alone
 
@@ -245,10 +246,10 @@ def test_planned_reads_give_what_safetensors_loads(tensors, data):
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "f.safetensors"
         save_file(written, path)
-        entries = offload.read_header(path)
-        storage = offload.DiskStorage([{name: entries[name] for name in wanted}])
+        entries = offload_files.read_header(path)
+        storage = offload.DiskStorage([{name: entries[name] for name in wanted}], offload.Cpu())
         slot = offload.page_aligned(storage.layouts[0].nbytes, torch.device("cpu"))  # as the ring
-        got = storage.layouts[0].views(storage.host_bytes(0, slot))
+        got = storage.layouts[0].views((storage.load(0, slot, offload.Cpu()) or slot))
         storage.close()
         expected = load_file(path)
     assert len(storage.reads[0]) <= len(wanted)
@@ -270,8 +271,8 @@ def test_resident_layers_never_exceed_buffers(tmp_path, buffers):
     with offload.from_pretrained(tmp_path, mode="ssd", device="cpu", buffers=buffers) as model:
         events = []  # +1 when a layer's read starts (reader thread), -1 when its compute ends
         storage = model.ring.storage
-        read = storage.host_bytes
-        storage.host_bytes = lambda layer, scratch: events.append(+1) or read(layer, scratch)
+        read = storage.load
+        storage.load = lambda layer, slot, ops: events.append(+1) or read(layer, slot, ops)
         slots = [(slot.data_ptr(), slot.data_ptr() + slot.numel()) for slot in model.ring.slots]
         bound = []  # at each layer's start: how many decoder layers have real weights
 
