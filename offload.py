@@ -42,7 +42,8 @@ from torch import nn
 from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from offload_files import Checkpoint, Entry, OffloadError, convert, pread_into, read_header
+import offload_files as files
+from offload_files import OffloadError
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # config.model_type
 # Layer buffers and the ranges read into them start on page boundaries: any dtype can view the
@@ -65,10 +66,7 @@ class Cpu:
     and a thread runs its work in order: an event is done once it is recorded, waits are free."""
 
     staging = None  # slots are host memory: a disk read lands in one directly, not via staging
-    pinned_bytes = 0
-
-    def __init__(self, device=torch.device("cpu")):
-        self.device = device
+    device, pinned_bytes = torch.device("cpu"), 0
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return page_aligned(nbytes, torch.device("cpu"))
@@ -204,7 +202,7 @@ class Read:
     buffer_offset: int
 
 
-def plan_reads(entries: dict[str, Entry]) -> tuple[Layout, list[Read]]:
+def plan_reads(entries: dict[str, files.Entry]) -> tuple[Layout, list[Read]]:
     """Merge one layer's tensors into page-aligned ranges of their files: one read per range.
 
     Hugging Face checkpoints store tensors sorted by name, so a layer is usually one range per
@@ -236,10 +234,10 @@ class DiskStorage:
     is read into again only after its last copy finished, the one wait that blocks the host.
     """
 
-    def __init__(self, layers: list[dict[str, Entry]], ops):
+    def __init__(self, layers: list[dict[str, files.Entry]], ops):
         self.layouts, self.reads = zip(*(plan_reads(entries) for entries in layers), strict=True)
         paths = {read.path for reads in self.reads for read in reads}
-        self.fds = {path: open_direct(path) for path in paths}  # closed in close()
+        self.fds = {path: files.open_direct(path) for path in paths}  # closed in close()
         count, self.chunk_nbytes = ops.staging or (0, 0)
         self.chunks = [ops.host_buffer(self.chunk_nbytes) for _ in range(count)]  # (chunk,) each
         self.copied = [None] * count  # each chunk's last copy, as an event on the copy stream
@@ -251,7 +249,7 @@ class DiskStorage:
             fd, rounded = self.fds[read.path], round_up(read.nbytes)
             if not self.chunks:  # the slot is host memory: the disk writes straight into it
                 target = slot[read.buffer_offset : read.buffer_offset + rounded]
-                pread_into(fd, target, read.file_offset, read.path, read.nbytes)
+                files.pread_into(fd, target, read.file_offset, read.path, read.nbytes)
                 continue
             for start in range(0, read.nbytes, self.chunk_nbytes):
                 size = min(self.chunk_nbytes, rounded - start)  # whole pages
@@ -259,7 +257,7 @@ class DiskStorage:
                 if self.copied[k] is not None:  # its last copy may still be reading it
                     ops.host_wait(self.copied[k])
                 chunk, offset = self.chunks[k][:size], read.file_offset + start
-                pread_into(fd, chunk, offset, read.path, min(size, read.nbytes - start))
+                files.pread_into(fd, chunk, offset, read.path, min(size, read.nbytes - start))
                 target = slot[read.buffer_offset + start :][:size]
                 ops.copy(target, chunk)  # on the copy stream, while the next chunk is read
                 self.copied[k] = ops.record("copy")
@@ -268,18 +266,6 @@ class DiskStorage:
         for fd in self.fds.values():
             os.close(fd)
         self.fds = {}
-
-
-def open_direct(path: Path) -> int:
-    """A file descriptor that reads with O_DIRECT where the filesystem allows it (tmpfs doesn't).
-
-    O_DIRECT lets the disk write straight into our buffer. A buffered read costs a copy out of the
-    page cache, measured here at ~0.7 CPU-seconds per GB: CPU time the layer's compute needs.
-    """
-    try:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    except OSError:
-        return os.open(path, os.O_RDONLY)
 
 
 # ---- the ring: what is on the device right now ----
@@ -302,10 +288,8 @@ class LayerRing:
     def __init__(self, storage, buffers: int, n_layers: int, ops):
         self.storage, self.ops = storage, ops
         nbytes = max(layout.nbytes for layout in storage.layouts)
-        self.slots = [
-            page_aligned(nbytes, ops.device)  # (slot_nbytes,)
-            for _ in range(max(1, min(buffers, n_layers)))
-        ]
+        n_slots = max(1, min(buffers, n_layers))
+        self.slots = [page_aligned(nbytes, ops.device) for _ in range(n_slots)]  # (nbytes,) each
         self.freed = [None] * len(self.slots)  # each slot's last release, an event on compute
         self.lookahead = len(self.slots) - 1  # layers loading while one computes
         self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-reader")
@@ -415,9 +399,6 @@ class StreamedLayers:
         streamed.indices = self.indices[index]
         return streamed
 
-    def __len__(self) -> int:
-        return len(self.indices)
-
     def __iter__(self):
         ring, stats, n = self.ring, self.stats, len(self.layers)
         for i in self.indices:
@@ -469,8 +450,8 @@ class OffloadedCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, **kwargs):  # (batch, q); as the wrapped model's
-        started, stats = time.perf_counter(), PassStats()
-        self.streamed.stats = stats
+        started = time.perf_counter()
+        self.stats = self.streamed.stats = PassStats()  # filled in as the pass goes
         self.ring.start_pass()
         try:
             out = self.hf(input_ids.to(self.device), **kwargs)  # logits (batch, q, vocab)
@@ -478,8 +459,7 @@ class OffloadedCausalLM(nn.Module):
             self.streamed.release()  # after an exception, the layer it left bound
         # one host wait per pass, not per layer: pass_s then counts the device's work too
         self.ring.ops.host_wait(self.ring.ops.record("compute"))
-        stats.pass_s = time.perf_counter() - started
-        self.stats = stats
+        self.stats.pass_s = time.perf_counter() - started
         return out
 
     def close(self) -> None:
@@ -520,18 +500,20 @@ def from_pretrained(
     ops = device  # the device's operations: Cpu, Cuda, or a test's fake
     if not isinstance(device, Cpu):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        ops = Cuda(device) if device.type == "cuda" else Cpu(device)
-    folder = find_folder(str(name_or_path))
+        if device.type != "cpu" and not (device.type == "cuda" and torch.cuda.is_available()):
+            raise OffloadError(f"offload runs on cpu or an available cuda device, not {device}")
+        ops = Cuda(device) if device.type == "cuda" else Cpu()
+    folder = files.find_folder(str(name_or_path))
     try:
         config = AutoConfig.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as err:
-        raise OffloadError(f"{folder}: cannot load its config ({first_line(err)})") from None
+        raise OffloadError(f"{folder}: cannot load its config ({files.first_line(err)})") from None
     if config.model_type not in SUPPORTED_FAMILIES:
         raise OffloadError(
             f"model family {config.model_type!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_FAMILIES)} (Llama, Mistral, Qwen2/3, SmolLM, TinyLlama)"
         )
-    ckpt = Checkpoint(folder)
+    ckpt = files.Checkpoint(folder)
     dtype = as_dtype(dtype) or ckpt.spec("model.layers.0.self_attn.q_proj.weight")[0]
     check_dtype_runs(ops.device, dtype)
 
@@ -569,10 +551,6 @@ def from_pretrained(
     return model
 
 
-def first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
-
-
 def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     """A torch dtype from itself or its name ("float16", "torch.bfloat16")."""
     if not isinstance(dtype, str):
@@ -581,22 +559,6 @@ def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if not isinstance(found, torch.dtype):
         raise OffloadError(f"dtype {dtype!r} is no torch dtype; try 'float16' or 'bfloat16'")
     return found
-
-
-def find_folder(name_or_path: str) -> Path:
-    if Path(name_or_path).expanduser().is_dir():
-        return Path(name_or_path).expanduser()
-    from huggingface_hub import snapshot_download
-
-    try:  # safetensors where the repo has them, .bin only where it has not
-        folder = Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors"]))
-        if not any(folder.glob("*.safetensors")):
-            folder = Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.bin"]))
-    except Exception as err:  # what the hub raises varies with the failure and the version
-        raise OffloadError(
-            f"{name_or_path} is no folder and no reachable hub id: {first_line(err)}"
-        ) from None
-    return folder
 
 
 def check_dtype_runs(device: torch.device, dtype: torch.dtype) -> None:
@@ -608,11 +570,11 @@ def check_dtype_runs(device: torch.device, dtype: torch.dtype) -> None:
         x = torch.ones(2, 8, dtype=dtype, device=device)  # (2, 8)
         torch.softmax(x @ x.T, dim=-1)
     except (RuntimeError, NotImplementedError, TypeError) as err:
-        reason = first_line(err)
+        reason = files.first_line(err)
         raise OffloadError(f"{device} cannot run {dtype} ({reason}); pass another dtype") from None
 
 
-def load_ram(ckpt: "Checkpoint", shapes: dict, n_layers: int, dtype, ops) -> RamStorage:
+def load_ram(ckpt: "files.Checkpoint", shapes: dict, n_layers: int, dtype, ops) -> RamStorage:
     layout = pack(shapes, dtype)  # the same for every layer, a whole number of pages
     arena = ops.host_buffer(n_layers * layout.nbytes)  # pinned on CUDA: copied without a bounce
     buffers = [arena[i * layout.nbytes : (i + 1) * layout.nbytes] for i in range(n_layers)]
@@ -633,6 +595,6 @@ def open_disk(
     # the checkpoint's own files will do if their tensors have the dtype and can be viewed in place
     if all(e and e.dtype == dtype and e.start % dtype.itemsize == 0 for e in entries):
         return DiskStorage(layers, ops), None
-    folder = convert(ckpt, shapes, n_layers, dtype, offload_dir)
-    files = [folder / f"layer_{i:03d}.safetensors" for i in range(n_layers)]
-    return DiskStorage([read_header(file) for file in files], ops), folder
+    folder = files.convert(ckpt, shapes, n_layers, dtype, offload_dir)
+    layer_files = [folder / f"layer_{i:03d}.safetensors" for i in range(n_layers)]
+    return DiskStorage([files.read_header(path) for path in layer_files], ops), folder

@@ -46,6 +46,38 @@ def pread_into(fd: int, buffer: torch.Tensor, file_offset: int, path: Path, need
         done += got
 
 
+def first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def open_direct(path: Path) -> int:
+    """A file descriptor that reads with O_DIRECT where the filesystem allows it (tmpfs doesn't).
+
+    O_DIRECT lets the disk write straight into our buffer. A buffered read costs a copy out of the
+    page cache, measured here at ~0.7 CPU-seconds per GB: CPU time the layer's compute needs.
+    """
+    try:
+        return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError:
+        return os.open(path, os.O_RDONLY)
+
+
+def find_folder(name_or_path: str) -> Path:
+    if Path(name_or_path).expanduser().is_dir():
+        return Path(name_or_path).expanduser()
+    from huggingface_hub import snapshot_download
+
+    try:  # safetensors where the repo has them, .bin only where it has not
+        folder = Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors"]))
+        if not any(folder.glob("*.safetensors")):
+            folder = Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.bin"]))
+    except Exception as err:  # what the hub raises varies with the failure and the version
+        raise OffloadError(
+            f"{name_or_path} is no folder and no reachable hub id: {first_line(err)}"
+        ) from None
+    return folder
+
+
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
 

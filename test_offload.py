@@ -346,7 +346,6 @@ class FakeDevice(offload.Cpu):
     """
 
     def __init__(self, seed: int, staging: tuple[int, int], oracle: torch.nn.Module):
-        super().__init__(torch.device("cpu"))
         self.staging, self.random, self.errors = staging, random.Random(seed), []
         self.expected = oracle.state_dict()  # what each layer's weights must read
         self.streams = {name: ThreadPoolExecutor(1) for name in ("copy", "compute")}
@@ -539,6 +538,7 @@ def test_dtype_as_a_string(checkpoints, dtype):
         ("dtype", "dtype 'float33' is no torch dtype"),
         ("config", "cannot load its config"),
         ("no folder", "is no folder and no reachable hub id"),
+        ("device", "offload runs on cpu or an available cuda device, not meta"),
     ],
 )
 def test_loading_errors_are_one_line(checkpoints, tmp_path, case, message):
@@ -546,6 +546,8 @@ def test_loading_errors_are_one_line(checkpoints, tmp_path, case, message):
     options = {"device": "cpu"}
     if case == "dtype":
         options["dtype"] = "float33"
+    if case == "device":
+        options["device"] = "meta"
     if case == "config":
         (tmp_path / "config.json").write_text("{not json")
         folder = tmp_path
