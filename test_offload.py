@@ -461,6 +461,59 @@ def test_ring_ordering_on_a_fake_device(checkpoints, seed, family, mode, buffers
     assert fake.errors == []
 
 
+# ---- on a GPU: runs only where CUDA is available (not yet run: written on a CPU machine) ----
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda_only
+@pytest.mark.parametrize("buffers", [1, 2, 3])
+@pytest.mark.parametrize("mode", ["ram", "ssd"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_logits_match_resident_model(tmp_path, dtype, mode, buffers):
+    """The same Hugging Face forward over the same weights: logits equal the resident model's."""
+    save_model(tmp_path, LlamaConfig(**{**SIZES, "num_hidden_layers": 5}), dtype=dtype)
+    oracle = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).cuda().eval()
+    options = {"mode": mode, "device": "cuda", "dtype": dtype, "buffers": buffers}
+    with offload.from_pretrained(tmp_path, **options) as model:
+        if mode == "ram":  # registered byte for byte, not rounded up to a power of two
+            assert model.pinned_bytes == sum(layout.nbytes for layout in model.layouts)
+        caches = [DynamicCache(config=model.config), DynamicCache(config=oracle.config)]
+        for n in (9, 1, 4):
+            ids = torch.randint(97, (1, n), device="cuda")
+            ours = model(ids, past_key_values=caches[0]).logits
+            with torch.no_grad():
+                theirs = oracle(ids, past_key_values=caches[1]).logits
+            torch.testing.assert_close(ours, theirs)  # the dtype's own tolerances
+
+
+@cuda_only
+@pytest.mark.parametrize("mode", ["ram", "ssd"])
+def test_cuda_copies_are_pinned_and_overlap_compute(tmp_path, monkeypatch, mode):
+    """From the device timeline: host-to-device copies come from pinned memory and run beside
+    kernels; and a ram pass blocks the host once (its end), not once per layer."""
+    import bench_offload
+
+    config = LlamaConfig(**{**SIZES, "hidden_size": 512, "intermediate_size": 2048})
+    save_model(tmp_path, config, dtype=torch.float16, shard="2GB")
+    with offload.from_pretrained(tmp_path, mode=mode, device="cuda", buffers=2) as model:
+        ids = torch.randint(97, (1, 256), device="cuda")
+        model(ids)  # warm-up
+        timeline = bench_offload.copy_timeline(lambda: model(ids))
+        print(mode, timeline, f"{model.stats.gb_per_s:.2f} GB/s")  # pytest -s shows them
+        assert timeline["overlap"] > 0  # no host sync per layer: copy i+1 runs beside layer i
+        names = {event.name for event in bench_offload.last_copies}
+        assert all("Pinned" in name for name in names), names
+        if mode == "ram":
+            waits = []
+            real = torch.cuda.Event.synchronize
+            monkeypatch.setattr(
+                torch.cuda.Event, "synchronize", lambda e: waits.append(e) or real(e)
+            )
+            model(ids)
+            assert len(waits) == 1
+
+
 # ---- bad input: a clear error, nothing lost ----
 
 
