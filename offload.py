@@ -24,7 +24,7 @@ replaced by `StreamedLayers`, whose iteration brings each layer in and takes it 
 Ordering on CUDA, without a host synchronize per layer: a load records a "ready" event on the
 copy stream, and compute waits on it on the device; a release records a "freed" event on the
 compute stream, and the next copy into that slot waits on it. The host blocks only before it
-refills a staging chunk whose copy may still be running.
+refills a staging chunk whose copy may still be running, and once at the end of a pass.
 """
 
 import concurrent.futures
