@@ -295,22 +295,21 @@ def raw_gb_per_s(model, folder: Path, tier: str) -> float:
     return nbytes / (time.perf_counter() - started) / 1e9
 
 
-last_copies = []  # the host-to-device copy events of the last copy_timeline
-
-
 def copy_timeline(run) -> dict[str, float]:
-    """Run once under the profiler; from the device timeline, the host-to-device copies' story."""
+    """Run once under the profiler; from the device timeline, how the host-to-device copies ran:
+    busy fraction of the span, gaps between them, their share beside kernels, pageable ones."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
-    global last_copies  # the copy events themselves, for a test to read their names
-    device = [event for event in prof.events() if event.device_type == DeviceType.CUDA]
-    last_copies = [event for event in device if "memcpy htod" in event.name.lower()]
-    copies = [(e.time_range.start, e.time_range.end) for e in last_copies]
-    kernels = [(e.time_range.start, e.time_range.end) for e in device if e not in last_copies]
+    copies, kernels, pageable = [], [], 0
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:  # on the device's timeline, in microseconds
+            is_copy = "memcpy htod" in event.name.lower()  # "Memcpy HtoD (Pinned -> Device)"
+            (copies if is_copy else kernels).append((event.time_range.start, event.time_range.end))
+            pageable += is_copy and "pageable" in event.name.lower()
     if not copies:
         raise RuntimeError("the profile shows no host-to-device copies: check copy_timeline")
     copies, kernels = merged(copies), merged(kernels)
@@ -322,6 +321,7 @@ def copy_timeline(run) -> dict[str, float]:
         "gap_mean_ms": sum(gaps) / len(gaps) / 1e3,  # profiler times are microseconds
         "gap_max_ms": max(gaps) / 1e3,
         "overlap": sum(intersection(c, k) for c in copies for k in kernels) / busy,
+        "pageable": pageable,  # copies from unpinned memory: staged by the driver, slower
     }
 
 

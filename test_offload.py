@@ -1,8 +1,10 @@
 """offload.py held against the in-memory Hugging Face model it wraps (the oracle).
 
-Tiny random models are saved to pytest's tmp folders; nothing is downloaded. Everything is float32
-on CPU, where the offloaded model runs the very same kernels in the very same order, so its logits
-must match the in-memory model's to float rounding.
+Tiny random models are saved to pytest's tmp folders; nothing is downloaded. On CPU everything is
+float32, where the offloaded model runs the very same kernels in the very same order, so its logits
+must match the in-memory model's to float rounding. The ring's ordering (events between a copy
+stream and the compute stream) is checked on a fake device whose streams are late-running worker
+threads; a last section runs only where CUDA is available.
 """
 
 import copy
@@ -502,8 +504,7 @@ def test_cuda_copies_are_pinned_and_overlap_compute(tmp_path, monkeypatch, mode)
         timeline = bench_offload.copy_timeline(lambda: model(ids))
         print(mode, timeline, f"{model.stats.gb_per_s:.2f} GB/s")  # pytest -s shows them
         assert timeline["overlap"] > 0  # no host sync per layer: copy i+1 runs beside layer i
-        names = {event.name for event in bench_offload.last_copies}
-        assert all("Pinned" in name for name in names), names
+        assert timeline["pageable"] == 0  # the registered arena and staging count as pinned
         if mode == "ram":
             waits = []
             real = torch.cuda.Event.synchronize
