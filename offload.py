@@ -31,7 +31,7 @@ import concurrent.futures
 import copy
 import os
 import time
-from collections import deque
+from collections import deque, namedtuple
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -271,11 +271,9 @@ class DiskStorage:
 # ---- the ring: what is on the device right now ----
 
 
-@dataclass
-class Load:
-    layer: int
-    slot: int
-    issued: concurrent.futures.Future  # result: (ready event, reader seconds), once all is issued
+# A layer on its way: its slot, and a future whose result is (ready event, reader seconds), set
+# once the reader has issued all of the load's work.
+Load = namedtuple("Load", "layer slot issued")
 
 
 class LayerRing:
@@ -506,6 +504,9 @@ def from_pretrained(
     folder = files.find_folder(str(name_or_path))
     try:
         config = AutoConfig.from_pretrained(folder)
+        generation = None  # eos ids etc., where the folder has them, as from_pretrained reads
+        if (folder / "generation_config.json").is_file():
+            generation = GenerationConfig.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as err:
         raise OffloadError(f"{folder}: cannot load its config ({files.first_line(err)})") from None
     if config.model_type not in SUPPORTED_FAMILIES:
@@ -521,9 +522,7 @@ def from_pretrained(
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
     shapes = {name: tuple(p.shape) for name, p in hf.model.layers[0].named_parameters()}
-    for i in range(config.num_hidden_layers):  # everything there, right shapes, before big reads
-        for name, shape in shapes.items():
-            ckpt.check(f"model.layers.{i}.{name}", shape)
+    ckpt.check_layers(shapes, config.num_hidden_layers)  # all there, right shapes, before big reads
     resident = {
         name: ckpt.tensor(name, p.shape).to(device=ops.device, dtype=dtype)
         for name, p in hf.named_parameters()
@@ -534,8 +533,8 @@ def from_pretrained(
         hf.lm_head.weight = hf.model.embed_tokens.weight
     # rotary frequencies are computed, not stored: build them again, off the meta device
     hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf.config).to(ops.device)
-    if (folder / "generation_config.json").is_file():  # eos ids etc., as from_pretrained has them
-        hf.generation_config = GenerationConfig.from_pretrained(folder)
+    if generation is not None:
+        hf.generation_config = generation
     hf.requires_grad_(False).eval()
 
     converted = None

@@ -90,15 +90,20 @@ def read_header(path: Path) -> dict[str, Entry]:
             raise OffloadError(f"truncated safetensors shard {path}: header runs past the end")
         try:
             header = json.loads(file.read(length))
-        except ValueError:
-            raise OffloadError(f"corrupt safetensors shard {path}: header is not JSON") from None
-    header.pop("__metadata__", None)
+            header.pop("__metadata__", None)
+            infos = {
+                name: (info["dtype"], info["data_offsets"], info["shape"])
+                for name, info in header.items()
+            }
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise OffloadError(f"corrupt safetensors shard {path}: header is not one") from None
     entries = {}
-    for name, info in header.items():
-        if info["dtype"] not in DTYPES:
-            raise OffloadError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        start, end = (8 + length + offset for offset in info["data_offsets"])
-        entries[name] = Entry(path, DTYPES[info["dtype"]], tuple(info["shape"]), start, end)
+    for name, (dtype, (start, end), shape) in infos.items():
+        if dtype not in DTYPES:
+            raise OffloadError(f"{path}: tensor {name} has unsupported dtype {dtype}")
+        entries[name] = Entry(
+            path, DTYPES[dtype], tuple(shape), 8 + length + start, 8 + length + end
+        )
     needed = max((entry.end for entry in entries.values()), default=0)
     if needed > size:
         raise OffloadError(
@@ -117,7 +122,10 @@ class Checkpoint:
         for weights in ("model.safetensors", "pytorch_model.bin"):
             index = folder / f"{weights}.index.json"
             if index.exists():
-                files = json.loads(index.read_text())["weight_map"].values()
+                try:
+                    files = json.loads(index.read_text())["weight_map"].values()
+                except (ValueError, KeyError, TypeError, AttributeError):
+                    raise OffloadError(f"corrupt checkpoint index {index}") from None
                 self.shards = sorted({folder / file for file in files})
             elif (folder / weights).exists():
                 self.shards = [folder / weights]
@@ -147,6 +155,12 @@ class Checkpoint:
     def check(self, name: str, shape: tuple[int, ...]) -> None:
         if (found := self.spec(name)[1]) != tuple(shape):
             raise OffloadError(f"{self.folder}: {name} has shape {found}, config wants {shape}")
+
+    def check_layers(self, shapes: dict[str, tuple[int, ...]], n_layers: int) -> None:
+        """Every decoder layer's tensors are there with the shapes the config wants."""
+        for i in range(n_layers):
+            for name, shape in shapes.items():
+                self.check(f"model.layers.{i}.{name}", shape)
 
     def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
         """One tensor on the host, in its stored dtype."""

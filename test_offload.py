@@ -353,6 +353,7 @@ class FakeDevice(offload.Cpu):
         self.streams = {name: ThreadPoolExecutor(1) for name in ("copy", "compute")}
         self.reading = Counter()  # slot start address -> computes reading that slot now
         self.slots: list[torch.Tensor] = []  # the ring's, set once it exists
+        self.host_waits = 0  # times the host blocked on the device
 
     def delay(self) -> None:
         time.sleep(self.random.uniform(0, 0.002))
@@ -379,6 +380,7 @@ class FakeDevice(offload.Cpu):
         self.streams[stream].submit(event.done.wait)
 
     def host_wait(self, event) -> None:
+        self.host_waits += 1
         self.check(isinstance(event, FakeEvent), f"the host waits on {event!r}, never recorded")
         self.check(event.done.wait(timeout=30), "the host waited 30 s: a deadlock")
 
@@ -453,6 +455,7 @@ def test_ring_ordering_on_a_fake_device(checkpoints, seed, family, mode, buffers
         hook = model.layers[fail_at].register_forward_pre_hook(fail_once)
         with pytest.raises(RuntimeError, match="out of memory"):
             model(torch.randint(97, (1, 4)), past_key_values=DynamicCache(config=model.config))
+    fake.host_waits = 0
     with model:
         caches = [DynamicCache(config=model.config), DynamicCache(config=oracle.config)]
         for n in (5, 1, 3):
@@ -461,6 +464,8 @@ def test_ring_ordering_on_a_fake_device(checkpoints, seed, family, mode, buffers
             theirs = oracle(ids, past_key_values=caches[1]).logits
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     assert fake.errors == []
+    if mode == "ram":  # the host blocked once per pass, at its end, never per layer
+        assert fake.host_waits == 3
 
 
 # ---- on a GPU: runs only where CUDA is available (not yet run: written on a CPU machine) ----
@@ -593,6 +598,8 @@ def test_dtype_as_a_string(checkpoints, dtype):
         ("config", "cannot load its config"),
         ("no folder", "is no folder and no reachable hub id"),
         ("device", "offload runs on cpu or an available cuda device, not meta"),
+        ("generation config", "cannot load its config"),
+        ("index", "corrupt checkpoint index"),
     ],
 )
 def test_loading_errors_are_one_line(checkpoints, tmp_path, case, message):
@@ -604,6 +611,16 @@ def test_loading_errors_are_one_line(checkpoints, tmp_path, case, message):
         options["device"] = "meta"
     if case == "config":
         (tmp_path / "config.json").write_text("{not json")
+        folder = tmp_path
+    if case in ("generation config", "index"):
+        for file in folder.iterdir():
+            (tmp_path / file.name).write_bytes(file.read_bytes())
+        damaged = (
+            "generation_config.json"
+            if case == "generation config"
+            else "model.safetensors.index.json"
+        )
+        (tmp_path / damaged).write_text("{not json")
         folder = tmp_path
     if case == "no folder":
         folder = tmp_path / "not" / "a" / "folder"  # nor a valid hub id: no network needed
