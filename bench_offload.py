@@ -1,19 +1,24 @@
 """Benchmark offload.py: one pass of a random Llama bigger than the RAM it may use, per tier.
 
-    python bench_offload.py                 # 1, 16, 128 and 1024 tokens; a few minutes, Linux only
+    python bench_offload.py                 # cpu: 1, 16, 128 and 1024 tokens; a few minutes
+    python bench_offload.py --device cuda   # gpu: CUDA-event timers and the copy timeline
 
-A random Llama of several GB is written to a temp folder and deleted afterwards. For each token
-count it times one pass of each tier (ssd, ram, and the plain in-memory model as the compute
-baseline), each in a fresh process, beside the raw cold read of the same bytes, all in the same
-run, and prints overlap efficiency, I/O efficiency, bytes moved and peak RSS.
+A random Llama of several GB is written to a temp folder and deleted afterwards (Linux only).
+On cpu, for each token count it times one pass of each tier (ssd, ram, and the plain in-memory
+model as the compute baseline), each in a fresh process, beside the raw cold read of the same
+bytes, all in the same run, and prints overlap efficiency, I/O efficiency, bytes moved and peak
+RSS. On cuda it times passes with CUDA events (synchronised) and reads the profiler's device
+timeline: how busy the copy engine was, the gaps between copies, how much copying overlapped
+compute, and the achieved GB/s against the raw pinned (ram) or cold disk (ssd) bandwidth
+measured in the same run.
 """
 
 import concurrent.futures
-import dataclasses
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -21,40 +26,39 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import offload
+import offload_files
 from bench import cpu_name
 
 
 @dataclass
-class BenchOptions:
-    """The benchmark's defaults, written once; the command line is generated from these fields."""
+class BenchConfig:
+    """The benchmark's defaults, written once; the command line reads them."""
 
-    tokens: str = field(default="1,16,128,1024", metadata={"help": "tokens per pass, comma list"})
-    layers: int = field(default=16, metadata={"help": "decoder layers of the random Llama"})
-    hidden: int = field(default=2048, metadata={"help": "hidden size (heads of 64)"})
-    intermediate: int = field(default=5632, metadata={"help": "MLP size"})
-    vocab: int = field(default=32000, metadata={"help": "vocabulary size"})
-    buffers: int = field(default=2, metadata={"help": "device buffers in the ring"})
-    threads: int = field(
-        default=max(1, (os.cpu_count() or 2) - 1),
-        metadata={"help": "torch compute threads: all cores but one, which is left to the reader"},
-    )
-    ram_limit_gb: float = field(
-        default=2.0, metadata={"help": "RLIMIT_DATA for the ssd process, below the model's size"}
-    )
-    folder: str = field(
-        default="", metadata={"help": "keep the random checkpoint here; empty: a temp folder"}
-    )
+    tokens: str = "1,16,128,1024"  # tokens per pass, comma-separated
+    layers: int = 16  # decoder layers of the random Llama
+    hidden: int = 2048  # hidden size (heads of 64)
+    intermediate: int = 5632  # MLP size
+    vocab: int = 32000  # vocabulary size
+    buffers: int = 2  # device buffers in the ring
+    device: str = "cpu"  # cpu, or cuda: CUDA-event timers and the copy timeline
+    dtype: str = "float16"  # the model's dtype on cuda; the cpu run is float32
+    threads: int = max(1, (os.cpu_count() or 2) - 1)  # cpu: all cores but the reader's
+    ram_limit_gb: float = 2.0  # cpu: RLIMIT_DATA for the ssd process, below the model's size
+    folder: str = ""  # keep the random checkpoint here; empty: a temp folder
 
 
-def bench(opts: BenchOptions) -> str:
+def bench(opts: BenchConfig) -> str:
     """Time one pass per token count for each tier, each in a fresh process; return the report."""
     import shutil
     import tempfile
 
     tokens = [int(n) for n in opts.tokens.split(",")]
     folder = Path(opts.folder or tempfile.mkdtemp(prefix="offload-bench-"))
+    dtype = getattr(torch, opts.dtype) if opts.device == "cuda" else torch.float32
     try:
-        write_random_llama(folder, opts)
+        write_random_llama(folder, opts, dtype)
+        if opts.device == "cuda":
+            return bench_cuda(folder, tokens, opts, dtype)
         runs = {tier: in_fresh_process(measure, folder, tier, tokens, opts) for tier in TIERS}
     finally:
         if not opts.folder:
@@ -65,7 +69,7 @@ def bench(opts: BenchOptions) -> str:
 TIERS = ("ssd", "ram", "resident")  # resident: the plain in-memory model, the compute baseline
 
 
-def write_random_llama(folder: Path, opts: BenchOptions) -> None:
+def write_random_llama(folder: Path, opts: BenchConfig, dtype: torch.dtype) -> None:
     """A random Llama as safetensors, one shard per layer, written without holding it in RAM."""
     from safetensors.torch import save_file
     from transformers import LlamaConfig
@@ -92,6 +96,7 @@ def write_random_llama(folder: Path, opts: BenchOptions) -> None:
     for k, names in enumerate(tqdm(shards, desc="bench: writing a random checkpoint")):
         tensors = {n: torch.randn(shapes[n], generator=generator) * 0.02 for n in names}
         tensors.update({n: torch.ones(shapes[n]) for n in names if n.endswith("norm.weight")})
+        tensors = {n: t.to(dtype) for n, t in tensors.items()}  # the ssd tier reads it in place
         save_file(tensors, folder / f"model-{k:05d}.safetensors")
         weight_map.update(dict.fromkeys(names, f"model-{k:05d}.safetensors"))
     index = {"metadata": {}, "weight_map": weight_map}
@@ -116,7 +121,7 @@ def in_fresh_process(function, *args):
         return pool.submit(function, *args).result()
 
 
-def measure(folder: Path, tier: str, tokens: list[int], opts: BenchOptions) -> dict:
+def measure(folder: Path, tier: str, tokens: list[int], opts: BenchConfig) -> dict:
     """In this (fresh) process: one cold pass per token count; seconds, bytes and peak memory."""
     import resource
 
@@ -137,7 +142,7 @@ def measure(folder: Path, tier: str, tokens: list[int], opts: BenchOptions) -> d
         evict_page_cache(folder)
         started = time.perf_counter()
         for layer in range(len(model.layers)):
-            model.ring._load(layer, slot=0)
+            model.ring._load(layer, 0, None)
         return time.perf_counter() - started
 
     for n in tokens:
@@ -155,8 +160,8 @@ def measure(folder: Path, tier: str, tokens: list[int], opts: BenchOptions) -> d
     return result
 
 
-def one_pass(model, n_tokens: int) -> float:
-    input_ids = torch.randint(model.config.vocab_size, (1, n_tokens))  # (1, n_tokens)
+def one_pass(model, n_tokens: int, device: str = "cpu") -> float:
+    input_ids = torch.randint(model.config.vocab_size, (1, n_tokens), device=device)  # (1, n)
     cache = DynamicCache(config=model.config)
     started = time.perf_counter()
     with torch.no_grad():
@@ -172,7 +177,7 @@ def proc_status(key: str) -> int:
     raise KeyError(key)
 
 
-def report(opts: BenchOptions, tokens: list[int], runs: dict) -> str:
+def report(opts: BenchConfig, tokens: list[int], runs: dict) -> str:
     layer_gb = runs["ssd"]["passes"][tokens[0]]["moved"] / opts.layers / 1e9
     resident_gb = 2 * opts.vocab * opts.hidden * 4 / 1e9  # embeddings and LM head, fp32
     kv_gb = 2 * opts.layers * max(1, opts.hidden // 512) * 64 * max(tokens) * 4 / 1e9
@@ -212,20 +217,146 @@ def report(opts: BenchOptions, tokens: list[int], runs: dict) -> str:
     return "\n".join(lines)
 
 
+# ---- cuda: CUDA-event timers and the device timeline (written without a GPU; not yet run) ----
+
+
+def bench_cuda(folder: Path, tokens: list[int], opts: BenchConfig, dtype: torch.dtype) -> str:
+    """Per tier and token count: pass seconds by CUDA events, the copy timeline, GB/s vs raw."""
+    lines = [
+        f"machine: {torch.cuda.get_device_name()}, {cpu_name()}; torch {torch.__version__}; "
+        + f"random Llama, {opts.layers} layers, {dtype}, buffers={opts.buffers}",
+        "busy = copy engine busy / pass; gap = idle time between copies (mean, max); overlap = "
+        + "copy time that ran beside a kernel / copy time; raw = pinned host-to-device copy "
+        + "(ram) or cold O_DIRECT read (ssd) alone; goal: GB/s / raw >= 0.80 ram, >= 0.85 ssd",
+    ]
+    resident = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).cuda().eval()
+    compute = {n: cuda_seconds(partial(one_pass, resident, n, "cuda")) for n in tokens}
+    del resident
+    torch.cuda.empty_cache()
+    header = f"{'tier':<6}{'tokens':>7}{'pass ms':>9}{'compute ms':>11}{'busy':>6}"
+    header += f"{'gap ms':>13}{'overlap':>8}{'GB/s':>7}{'raw GB/s':>9}{'/raw':>6}"
+    for tier in ("ram", "ssd"):
+        model = offload.from_pretrained(
+            folder, mode=tier, device="cuda", dtype=dtype, buffers=opts.buffers
+        )
+        lines += ["", f"{tier}: pinned host memory {model.pinned_bytes / 1e9:.3f} GB", header]
+        with model:
+            one_pass(model, 1, "cuda")  # warm-up: reader thread, allocator, kernels
+            for n in tokens:
+                raw = raw_gb_per_s(model, folder, tier)  # measured beside each pass
+                if tier == "ssd":
+                    model.ring.drain()
+                    evict_page_cache(folder)
+                seconds = cuda_seconds(partial(one_pass, model, n, "cuda"))
+                gb_per_s = model.stats.bytes_moved / seconds / 1e9
+                t = copy_timeline(partial(one_pass, model, n, "cuda"))
+                lines.append(
+                    f"{tier:<6}{n:>7}{seconds * 1e3:9.1f}{compute[n] * 1e3:11.1f}{t['busy']:6.2f}"
+                    + f"{t['gap_mean_ms']:6.2f},{t['gap_max_ms']:6.2f}{t['overlap']:8.2f}"
+                    + f"{gb_per_s:7.2f}{raw:9.2f}{gb_per_s / raw:6.2f}"
+                )
+    return "\n".join(lines)
+
+
+def cuda_seconds(run) -> float:
+    """Device seconds of `run()`, between two CUDA events, synchronised before and after."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    start.record()
+    run()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def raw_gb_per_s(model, folder: Path, tier: str) -> float:
+    """The bandwidth the tier could reach alone: pinned copies (ram), cold reads (ssd)."""
+    ring = model.ring
+    if tier == "ram":
+        host, slot = ring.storage.buffers[0], ring.slots[0]  # registered arena -> device
+        ring.drain()
+        copies = [partial(slot[: host.numel()].copy_, host, non_blocking=True)] * 10
+        seconds = cuda_seconds(lambda: [copy() for copy in copies])
+        return 10 * host.numel() / seconds / 1e9
+    ring.drain()
+    torch.cuda.synchronize()  # no copy still reads the staging chunk read into below
+    evict_page_cache(folder)
+    nbytes, started = 0, time.perf_counter()
+    for layer in range(len(model.layers)):  # O_DIRECT reads into pinned staging, no copy
+        for read in ring.storage.reads[layer]:
+            chunk = ring.storage.chunks[0]
+            for start in range(0, read.nbytes, chunk.numel()):
+                size = min(chunk.numel(), offload.round_up(read.nbytes) - start)
+                fd, needed = ring.storage.fds[read.path], min(size, read.nbytes - start)
+                offload_files.pread_into(
+                    fd, chunk[:size], read.file_offset + start, read.path, needed
+                )
+            nbytes += read.nbytes
+    return nbytes / (time.perf_counter() - started) / 1e9
+
+
+def copy_timeline(run) -> dict[str, float]:
+    """Run once under the profiler; from the device timeline, how the host-to-device copies ran:
+    busy fraction of the span, gaps between them, their share beside kernels, pageable ones."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    copies, kernels, pageable = [], [], 0
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:  # on the device's timeline, in microseconds
+            is_copy = "memcpy htod" in event.name.lower()  # "Memcpy HtoD (Pinned -> Device)"
+            (copies if is_copy else kernels).append((event.time_range.start, event.time_range.end))
+            pageable += is_copy and "pageable" in event.name.lower()
+    if not copies:
+        raise RuntimeError("the profile shows no host-to-device copies: check copy_timeline")
+    copies, kernels = merged(copies), merged(kernels)
+    span = max(end for _, end in copies + kernels) - min(start for start, _ in copies + kernels)
+    busy = sum(end - start for start, end in copies)
+    gaps = [b[0] - a[1] for a, b in zip(copies, copies[1:])] or [0]
+    return {
+        "busy": busy / span,
+        "gap_mean_ms": sum(gaps) / len(gaps) / 1e3,  # profiler times are microseconds
+        "gap_max_ms": max(gaps) / 1e3,
+        "overlap": sum(intersection(c, k) for c in copies for k in kernels) / busy,
+        "pageable": pageable,  # copies from unpinned memory: staged by the driver, slower
+    }
+
+
+def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, overlapping intervals joined: their union."""
+    out = []
+    for start, end in sorted(intervals):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out
+
+
+def intersection(a: tuple[float, float], b: tuple[float, float]) -> float:
+    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Time offload.py on a random Llama that is written to a temp folder "
-        "(several GB) and deleted afterwards; Linux only.",
-    )
-    for option in dataclasses.fields(BenchOptions):
-        flag = "--" + option.name.replace("_", "-")
-        parser.add_argument(flag, type=option.type, default=option.default, **option.metadata)
-    args = parser.parse_args(argv)
-    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(BenchOptions)}
-    print(bench(BenchOptions(**options)))
+    d = BenchConfig()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", default=d.tokens, help="tokens per pass, comma-separated")
+    p.add_argument("--layers", type=int, default=d.layers, help="decoder layers")
+    p.add_argument("--hidden", type=int, default=d.hidden, help="hidden size (heads of 64)")
+    p.add_argument("--intermediate", type=int, default=d.intermediate, help="MLP size")
+    p.add_argument("--vocab", type=int, default=d.vocab, help="vocabulary size")
+    p.add_argument("--buffers", type=int, default=d.buffers, help="device buffers in the ring")
+    p.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
+    p.add_argument("--dtype", default=d.dtype, help="the model's dtype on cuda")
+    p.add_argument("--threads", type=int, default=d.threads, help="cpu compute threads")
+    p.add_argument("--ram-limit-gb", type=float, default=d.ram_limit_gb, help="cpu ssd RLIMIT_DATA")
+    p.add_argument("--folder", default=d.folder, help="keep the random checkpoint here")
+    print(bench(BenchConfig(**vars(p.parse_args(argv)))))
 
 
 if __name__ == "__main__":

@@ -12,31 +12,38 @@ rotary embedding and KV cache stay on the device; each decoder layer is copied i
 | offloaded target model       | `OffloadedCausalLM`, built by `from_pretrained`               |
 | where the weights live       | storage: `RamStorage` (mode="ram"), `DiskStorage` (mode="ssd") |
 | what is on the device now    | `LayerRing`: `buffers` slots, filled in order by one reader   |
-| layer i+1 loads while i runs | `LayerRing.prefetch` / `.wait` / `.release` in `forward`      |
+| layer i+1 loads while i runs | `StreamedLayers.__iter__`: prefetch, wait, compute, release   |
+| the device's few operations  | `Cuda` (streams, events) and `Cpu`; tests add a fake one      |
 | cost of one target pass      | `PassStats`: bytes moved, waiting vs computing, GB/s          |
 
 Storage (the bytes of each layer and where they are), state (which layer occupies which device
 slot) and config (the Hugging Face model: config, masks, rotary, the decoder layers' code) are
-kept apart; a decoder layer's parameters point into a slot only while that layer runs.
+kept apart. The Hugging Face model runs its own forward; only its list of decoder layers is
+replaced by `StreamedLayers`, whose iteration brings each layer in and takes it out again.
+
+Ordering on CUDA, without a host synchronize per layer: a load records a "ready" event on the
+copy stream, and compute waits on it on the device; a release records a "freed" event on the
+compute stream, and the next copy into that slot waits on it. The host blocks only before it
+refills a staging chunk whose copy may still be running, and once at the end of a pass.
 """
 
 import concurrent.futures
-import hashlib
-import json
+import copy
 import os
 import time
-from collections import deque
-from contextlib import nullcontext
+from collections import deque, namedtuple
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import NamedTuple, Self
 
 import torch
 from torch import nn
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, GenerationConfig
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+import offload_files as files
+from offload_files import OffloadError
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # config.model_type
 # Layer buffers and the ranges read into them start on page boundaries: any dtype can view the
@@ -44,11 +51,93 @@ SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # config.model_type
 PAGE = 4096
 
 
-class OffloadError(ValueError):
-    """Bad input to the offloader: a one-line message that says what and where."""
+# ---- the device: five operations, on CUDA streams or in order on the CPU ----
 
 
-# ---- storage: where each layer's bytes live ----
+def page_aligned(nbytes: int, device: torch.device) -> torch.Tensor:
+    """(nbytes,) uint8 starting on a page boundary, where an O_DIRECT read may land."""
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, device=device)
+    skip = -raw.data_ptr() % PAGE
+    return raw[skip : skip + nbytes]
+
+
+class Cpu:
+    """Each "stream" is the thread that issues its work (copy: the reader; compute: the caller),
+    and a thread runs its work in order: an event is done once it is recorded, waits are free."""
+
+    staging = None  # slots are host memory: a disk read lands in one directly, not via staging
+    device, pinned_bytes = torch.device("cpu"), 0
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return page_aligned(nbytes, torch.device("cpu"))
+
+    def record(self, stream: str) -> None:
+        return None
+
+    def wait_event(self, stream: str, event) -> None:
+        pass
+
+    def host_wait(self, event) -> None:
+        pass
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def launch(self, fn, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+    def close(self) -> None:
+        pass
+
+
+class Cuda(Cpu):
+    """A copy stream beside the compute (current) stream, ordered by events, never the host.
+
+    Host memory is page-aligned and registered with cudaHostRegister, pinned byte for byte:
+    `pin_memory=True` would round each block up to a power of two (16 GiB for a 12 GiB model).
+    Written to be right by construction; this module's tests run its ordering on a fake device.
+    """
+
+    staging = (4, 32 * 2**20)  # pinned chunks a disk read passes through: count, bytes each
+
+    def __init__(self, device: torch.device):
+        self.device, self.registered, self.pinned_bytes = device, [], 0
+        self.copy_stream = torch.cuda.Stream(device)
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        buffer = page_aligned(nbytes, torch.device("cpu"))  # (nbytes,)
+        if int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)) != 0:
+            raise OffloadError(f"cannot pin {nbytes / 1e9:.2f} GB of host memory for {self.device}")
+        self.registered.append(buffer)
+        self.pinned_bytes += nbytes
+        return buffer
+
+    def stream(self, name: str) -> torch.cuda.Stream:
+        return self.copy_stream if name == "copy" else torch.cuda.current_stream(self.device)
+
+    def record(self, stream: str) -> torch.cuda.Event:
+        event = torch.cuda.Event()  # a new one per record: nothing can wait on it unrecorded
+        event.record(self.stream(stream))
+        return event
+
+    def wait_event(self, stream: str, event: torch.cuda.Event) -> None:
+        self.stream(stream).wait_event(event)  # on the device; the host goes on
+
+    def host_wait(self, event: torch.cuda.Event) -> None:
+        event.synchronize()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self.copy_stream):
+            dst.copy_(src, non_blocking=True)
+
+    def close(self) -> None:
+        self.copy_stream.synchronize()  # no copy may still read what is unregistered here
+        for buffer in self.registered:
+            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+        self.registered, self.pinned_bytes = [], 0
+
+
+# ---- storage: where each layer's bytes live, and how they reach a slot ----
 
 
 class TensorSpec(NamedTuple):
@@ -86,36 +175,18 @@ def round_up(nbytes: int) -> int:
     return -(-nbytes // PAGE) * PAGE
 
 
-def page_aligned(nbytes: int, device: torch.device, pin: bool = False) -> torch.Tensor:
-    """(nbytes,) uint8 starting on a page boundary, where an O_DIRECT read may land."""
-    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, device=device, pin_memory=pin)
-    skip = -raw.data_ptr() % PAGE
-    return raw[skip : skip + nbytes]
-
-
 class RamStorage:
-    """Each layer in ONE contiguous host buffer (pinned for CUDA): a layer moves in one copy."""
+    """All layers in ONE host arena (pinned on CUDA), one region per layer: one copy moves it."""
 
     def __init__(self, layouts: list[Layout], buffers: list[torch.Tensor]):
         self.layouts = layouts
-        self.buffers = buffers  # buffers[i]: (layouts[i].nbytes,) uint8
+        self.buffers = buffers  # buffers[i]: (layouts[i].nbytes,) uint8, a view of the arena
 
-    def host_bytes(self, layer: int, scratch: torch.Tensor) -> torch.Tensor:
-        return self.buffers[layer]  # already in memory: nothing to read
+    def load(self, layer: int, slot: torch.Tensor, ops) -> None:
+        ops.copy(slot[: self.layouts[layer].nbytes], self.buffers[layer])
 
     def close(self) -> None:
         pass
-
-
-@dataclass(frozen=True)
-class Entry:
-    """One tensor of a safetensors file, as the file's header describes it."""
-
-    path: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # absolute byte offsets in the file
-    end: int
 
 
 @dataclass
@@ -131,7 +202,7 @@ class Read:
     buffer_offset: int
 
 
-def plan_reads(entries: dict[str, Entry]) -> tuple[Layout, list[Read]]:
+def plan_reads(entries: dict[str, files.Entry]) -> tuple[Layout, list[Read]]:
     """Merge one layer's tensors into page-aligned ranges of their files: one read per range.
 
     Hugging Face checkpoints store tensors sorted by name, so a layer is usually one range per
@@ -156,19 +227,40 @@ def plan_reads(entries: dict[str, Entry]) -> tuple[Layout, list[Read]]:
 
 
 class DiskStorage:
-    """Layers stay in safetensors files; a layer is a few preads straight into a buffer."""
+    """Layers stay in safetensors files; a layer is a few preads, through staging or direct.
 
-    def __init__(self, layers: list[dict[str, Entry]]):
+    Where the device cannot read host memory, reads land in a few pinned staging chunks: while
+    chunk k copies to the device the next one is read, so disk and copy engine overlap; chunk k
+    is read into again only after its last copy finished, the one wait that blocks the host.
+    """
+
+    def __init__(self, layers: list[dict[str, files.Entry]], ops):
         self.layouts, self.reads = zip(*(plan_reads(entries) for entries in layers), strict=True)
         paths = {read.path for reads in self.reads for read in reads}
-        self.fds = {path: open_direct(path) for path in paths}  # closed in close()
+        self.fds = {path: files.open_direct(path) for path in paths}  # closed in close()
+        count, self.chunk_nbytes = ops.staging or (0, 0)
+        self.chunks = [ops.host_buffer(self.chunk_nbytes) for _ in range(count)]  # (chunk,) each
+        self.copied = [None] * count  # each chunk's last copy, as an event on the copy stream
+        self.next = 0  # the chunk the next read lands in
 
-    def host_bytes(self, layer: int, scratch: torch.Tensor) -> torch.Tensor:
-        """Read a layer into `scratch`, a page-aligned host buffer."""
+    def load(self, layer: int, slot: torch.Tensor, ops) -> None:
+        """Read a layer into `slot` (page-aligned): straight in, or chunk by chunk via staging."""
         for read in self.reads[layer]:
-            target = scratch[read.buffer_offset : read.buffer_offset + round_up(read.nbytes)]
-            pread_into(self.fds[read.path], target, read.file_offset, read.path, read.nbytes)
-        return scratch[: self.layouts[layer].nbytes]
+            fd, rounded = self.fds[read.path], round_up(read.nbytes)
+            if not self.chunks:  # the slot is host memory: the disk writes straight into it
+                target = slot[read.buffer_offset : read.buffer_offset + rounded]
+                files.pread_into(fd, target, read.file_offset, read.path, read.nbytes)
+                continue
+            for start in range(0, read.nbytes, self.chunk_nbytes):
+                size = min(self.chunk_nbytes, rounded - start)  # whole pages
+                k, self.next = self.next, (self.next + 1) % len(self.chunks)
+                if self.copied[k] is not None:  # its last copy may still be reading it
+                    ops.host_wait(self.copied[k])
+                chunk, offset = self.chunks[k][:size], read.file_offset + start
+                files.pread_into(fd, chunk, offset, read.path, min(size, read.nbytes - start))
+                target = slot[read.buffer_offset + start :][:size]
+                ops.copy(target, chunk)  # on the copy stream, while the next chunk is read
+                self.copied[k] = ops.record("copy")
 
     def close(self) -> None:
         for fd in self.fds.values():
@@ -176,41 +268,12 @@ class DiskStorage:
         self.fds = {}
 
 
-def open_direct(path: Path) -> int:
-    """A file descriptor that reads with O_DIRECT where the filesystem allows it (tmpfs doesn't).
-
-    O_DIRECT lets the disk write straight into our buffer. A buffered read costs a copy out of the
-    page cache, measured here at ~0.7 CPU-seconds per GB: CPU time the layer's compute needs.
-    """
-    try:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    except OSError:
-        return os.open(path, os.O_RDONLY)
-
-
-def pread_into(fd: int, buffer: torch.Tensor, file_offset: int, path: Path, needed=None) -> None:
-    """Read into a host uint8 buffer from `file_offset` until `needed` bytes (default: all) are in.
-
-    pread may return short, so loop; a page-rounded read may also run into the end of the file.
-    """
-    target, done, needed = memoryview(buffer.numpy()), 0, needed or len(buffer)
-    while done < needed:
-        got = os.preadv(fd, [target[done:]], file_offset + done)
-        if got == 0:
-            raise OffloadError(
-                f"truncated safetensors shard {path}: ends before {file_offset + done}"
-            )
-        done += got
-
-
 # ---- the ring: what is on the device right now ----
 
 
-@dataclass
-class Load:
-    layer: int
-    slot: int
-    done: concurrent.futures.Future  # its result: seconds the reader spent on this load
+# A layer on its way: its slot, and a future whose result is (ready event, reader seconds), set
+# once the reader has issued all of the load's work.
+Load = namedtuple("Load", "layer slot issued")
 
 
 class LayerRing:
@@ -220,31 +283,22 @@ class LayerRing:
     last. At most `buffers` layers are alive at once: in flight, landed, or computing.
     """
 
-    def __init__(self, storage, buffers: int, n_layers: int, device: torch.device):
-        self.storage, self.device = storage, device
+    def __init__(self, storage, buffers: int, n_layers: int, ops):
+        self.storage, self.ops = storage, ops
         nbytes = max(layout.nbytes for layout in storage.layouts)
-        self.slots = [
-            page_aligned(nbytes, device)  # (slot_nbytes,)
-            for _ in range(max(1, min(buffers, n_layers)))
-        ]
+        n_slots = max(1, min(buffers, n_layers))
+        self.slots = [page_aligned(nbytes, ops.device) for _ in range(n_slots)]  # (nbytes,) each
+        self.freed = [None] * len(self.slots)  # each slot's last release, an event on compute
         self.lookahead = len(self.slots) - 1  # layers loading while one computes
-        # CUDA (untested here: this machine has no GPU). A read lands in pinned host staging, then
-        # a side stream copies it to the device, so the copy overlaps compute on the main stream.
-        cuda = device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(device) if cuda else None
-        self.staging = self.slots  # on CPU a disk read lands in the slot itself
-        if cuda and isinstance(storage, DiskStorage):
-            self.staging = [page_aligned(nbytes, torch.device("cpu"), pin=True) for _ in self.slots]
         self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-reader")
         self.queue: deque[Load] = deque()  # in the order they will be used; not yet handed out
-        self.in_use: int | None = None  # the layer handed out by wait() and not yet released
+        self.in_use: Load | None = None  # handed out by wait() and not yet released
         self.next_slot = 0
 
     def start_pass(self) -> None:
         """Keep what the last pass prefetched for layers 0.., drop an interrupted pass's loads."""
         if self.queue and self.queue[0].layer != 0:
             self.drain()
-        self.in_use = None
         for layer in range(self.lookahead):
             self.prefetch(layer)
 
@@ -254,42 +308,46 @@ class LayerRing:
         if len(self.queue) + (self.in_use is not None) >= len(self.slots):
             raise RuntimeError("offload ring is full: release a layer before prefetching another")
         slot, self.next_slot = self.next_slot, (self.next_slot + 1) % len(self.slots)
-        self.queue.append(Load(layer, slot, self.reader.submit(self._load, layer, slot)))
+        issued = self.reader.submit(self._load, layer, slot, self.freed[slot])
+        self.queue.append(Load(layer, slot, issued))
 
-    def _load(self, layer: int, slot: int) -> float:
-        """On the reader thread: bring one layer's bytes into its slot."""
+    def _load(self, layer: int, slot: int, freed) -> tuple[object, float]:
+        """On the reader thread, which issues the copy stream's work: one layer into its slot."""
         started = time.perf_counter()
-        host = self.storage.host_bytes(layer, self.staging[slot])  # (layer_nbytes,) uint8, host
-        with torch.cuda.stream(self.copy_stream) if self.copy_stream else nullcontext():
-            if host.data_ptr() != self.slots[slot].data_ptr():  # else: read straight into it
-                self.slots[slot][: host.numel()].copy_(host, non_blocking=True)
-        if self.copy_stream is not None:
-            self.copy_stream.synchronize()  # done means on the device, and staging is free again
-        return time.perf_counter() - started
+        if freed is not None:  # the slot's last occupant has run: only then overwrite it
+            self.ops.wait_event("copy", freed)
+        self.storage.load(layer, self.slots[slot], self.ops)
+        return self.ops.record("copy"), time.perf_counter() - started
 
     def wait(self, layer: int) -> tuple[torch.Tensor, float]:
-        """Block until `layer` has landed; its slot, and the reader's seconds for it."""
+        """Compute waits (on the device) until `layer` has landed; its slot, the reader's seconds.
+
+        The host first waits for the reader to have issued the load: an event is waited on only
+        once it has been recorded.
+        """
         load = self.queue.popleft()
         assert load.layer == layer, f"the ring holds layer {load.layer} next, not {layer}"
-        seconds = load.done.result()
-        self.in_use = layer
+        ready, seconds = load.issued.result()
+        self.ops.wait_event("compute", ready)
+        self.in_use = load
         return self.slots[load.slot], seconds
 
-    def release(self, layer: int) -> None:
-        if self.device.type == "cuda":
-            # kernels run asynchronously: they must finish before the reader refills this slot
-            torch.cuda.current_stream(self.device).synchronize()
-        self.in_use = None
+    def release(self) -> None:
+        """The slot may be refilled once the compute queued so far has run (an exception too)."""
+        if self.in_use is not None:
+            self.freed[self.in_use.slot] = self.ops.record("compute")
+            self.in_use = None
 
     def drain(self) -> None:
         """Let loads in flight finish and forget them: the next pass starts cold."""
-        concurrent.futures.wait([load.done for load in self.queue])
+        concurrent.futures.wait([load.issued for load in self.queue])
         self.queue.clear()
 
     def close(self) -> None:
         self.drain()
         self.reader.shutdown()
         self.storage.close()
+        self.ops.close()
 
 
 # ---- the model: the Hugging Face model, its decoder layers streamed from the ring ----
@@ -300,9 +358,9 @@ class PassStats:
     """What the last forward pass cost (`model.stats`, replaced by every pass)."""
 
     bytes_moved: int = 0  # layer bytes that reached the device
-    load_s: float = 0.0  # reader-thread seconds moving them, overlapping compute
+    load_s: float = 0.0  # reader-thread seconds issuing them (on CPU: moving them), overlapped
     wait_s: float = 0.0  # seconds the pass sat waiting for weights
-    pass_s: float = 0.0  # wall seconds of the whole pass
+    pass_s: float = 0.0  # wall seconds of the whole pass, device work included
 
     @property
     def compute_s(self) -> float:  # everything that was not waiting
@@ -313,20 +371,6 @@ class PassStats:
         return self.bytes_moved / self.pass_s / 1e9 if self.pass_s else 0.0
 
 
-MASKS = {
-    "full_attention": create_causal_mask,
-    "sliding_attention": create_sliding_window_causal_mask,
-}
-
-
-def layer_kinds(config) -> list[str]:
-    """Each layer's mask: Qwen2/3 name it per layer; Mistral slides wherever a window is set."""
-    if getattr(config, "layer_types", None):
-        return list(config.layer_types)
-    sliding = config.model_type == "mistral" and getattr(config, "sliding_window", None)
-    return ["sliding_attention" if sliding else "full_attention"] * config.num_hidden_layers
-
-
 def bind(layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
     """Point a decoder layer's parameters at these tensors (slot views, or meta to unbind)."""
     for name, tensor in tensors.items():
@@ -334,89 +378,87 @@ def bind(layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
         layer.get_submodule(module)._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
 
 
+class StreamedLayers:
+    """Stands in for the Hugging Face model's list of decoder layers: iterating it streams them.
+
+    The model's own forward (masks, rotary, cache) runs unchanged and loops over
+    `self.layers[: config.num_hidden_layers]`; slicing gives the same stream over fewer layers.
+    """
+
+    def __init__(self, layers: nn.ModuleList, ring: LayerRing, layouts):
+        self.layers, self.ring, self.layouts = layers, ring, layouts
+        self.indices = range(len(layers))
+        # between runs a decoder layer rests on meta tensors: shapes, no bytes
+        self.unbound = [{n: p.data for n, p in layer.named_parameters()} for layer in layers]
+        self.stats = PassStats()  # of the pass now running
+
+    def __getitem__(self, index: slice) -> "StreamedLayers":
+        streamed = copy.copy(self)  # shares the layers, the ring and this pass's stats
+        streamed.indices = self.indices[index]
+        return streamed
+
+    def __iter__(self):
+        ring, stats, n = self.ring, self.stats, len(self.layers)
+        for i in self.indices:
+            # prefetch next: layer i + lookahead takes the slot layer i - 1 released. Near the end
+            # this wraps around: the next pass's first layers load during this pass's LM head.
+            ring.prefetch((i + ring.lookahead) % n)
+
+            # wait for this one: the reader has issued it and compute waits for it to land
+            waiting = time.perf_counter()
+            slot, load_s = ring.wait(i)
+            stats.wait_s += time.perf_counter() - waiting
+            stats.load_s += load_s
+            stats.bytes_moved += self.layouts[i].nbytes
+            bind(self.layers[i], self.layouts[i].views(slot))
+
+            # compute: the Hugging Face decoder layer as it is, called by the model's forward
+            yield partial(ring.ops.launch, self.layers[i])
+
+            # release: back to meta, so only the ring holds weights and the slot may be refilled
+            self.release()
+
+    def release(self) -> None:
+        """Unbind the layer in use, if any; also what an exception mid-pass leaves behind."""
+        if self.ring.in_use is not None:
+            bind(self.layers[self.ring.in_use.layer], self.unbound[self.ring.in_use.layer])
+            self.ring.release()
+
+
 class OffloadedCausalLM(nn.Module):
     """Called like the Hugging Face model it wraps; its decoder layers visit the device in turn."""
 
-    def __init__(self, hf_model: nn.Module, storage, buffers: int):
+    def __init__(self, hf_model: nn.Module, storage, buffers: int, ops):
         super().__init__()
+        self.layers = hf_model.model.layers  # their parameters: meta, or views of a slot
+        del hf_model.model.layers  # a module list cannot be replaced by a plain object in place
+        self.ring = LayerRing(storage, buffers, len(self.layers), ops)
+        self.streamed = StreamedLayers(self.layers, self.ring, storage.layouts)
+        hf_model.model.layers = self.streamed
         self.hf = hf_model  # all on the device, except the decoder layers' weights
-        self.layers = hf_model.model.layers
-        self.layer_kinds = layer_kinds(hf_model.config)
         self.layouts = storage.layouts
-        # between runs a decoder layer rests on meta tensors: shapes, no bytes
-        self.unbound = [{n: p.data for n, p in layer.named_parameters()} for layer in self.layers]
-        self.ring = LayerRing(storage, buffers, len(self.layers), self.device)
+        self.converted_folder: Path | None = None  # set by from_pretrained
         self.stats = PassStats()
 
     config = property(lambda self: self.hf.config)
     generation_config = property(lambda self: self.hf.generation_config)
     device = property(lambda self: self.hf.lm_head.weight.device)
     dtype = property(lambda self: self.hf.lm_head.weight.dtype)
+    pinned_bytes = property(lambda self: self.ring.ops.pinned_bytes)  # host memory pinned (CUDA)
 
     @torch.no_grad()
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # (batch, q)
-        attention_mask: torch.Tensor | None = None,  # (batch, 1, q, n_cached + q) additive, or 2D
-        position_ids: torch.Tensor | None = None,  # (batch, q)
-        past_key_values: DynamicCache | None = None,
-        use_cache: bool = True,
-        logits_to_keep: int = 0,
-        **kwargs,
-    ) -> CausalLMOutputWithPast:
-        started, stats, body = time.perf_counter(), PassStats(), self.hf.model
-        hidden = body.embed_tokens(input_ids.to(self.device))  # (batch, q, hidden)
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
-        if position_ids is None:
-            n_cached = past_key_values.get_seq_length() if past_key_values is not None else 0
-            position_ids = torch.arange(hidden.shape[1], device=self.device)[None] + n_cached
-        # the masks the Hugging Face model would build; a caller's 4D float mask passes as it is
-        mask_args = {
-            "config": self.config,
-            "inputs_embeds": hidden,
-            "attention_mask": attention_mask,
-            "past_key_values": past_key_values,
-            "position_ids": position_ids,
-        }
-        masks = {kind: MASKS[kind](**mask_args) for kind in set(self.layer_kinds)}
-        # cos and sin, each (batch, q, head_dim), shared by all layers
-        position_embeddings = body.rotary_emb(hidden, position_ids)
-
+    def forward(self, input_ids: torch.Tensor, **kwargs):  # (batch, q); as the wrapped model's
+        started = time.perf_counter()
+        self.stats = self.streamed.stats = PassStats()  # filled in as the pass goes
         self.ring.start_pass()
-        for i, layer in enumerate(self.layers):
-            # prefetch next: layer i + lookahead takes the slot layer i - 1 released. Near the end
-            # this wraps around: the next pass's first layers load during this pass's LM head.
-            self.ring.prefetch((i + self.ring.lookahead) % len(self.layers))
-
-            # wait for this one: block until its bytes have landed, then point its parameters there
-            waiting = time.perf_counter()
-            slot, load_s = self.ring.wait(i)
-            stats.wait_s += time.perf_counter() - waiting
-            stats.load_s += load_s
-            stats.bytes_moved += self.layouts[i].nbytes
-            bind(layer, self.layouts[i].views(slot))
-
-            # compute: the Hugging Face decoder layer as it is (attention, cache update, MLP)
-            hidden = layer(
-                hidden,
-                attention_mask=masks[self.layer_kinds[i]],
-                position_embeddings=position_embeddings,
-                position_ids=position_ids,
-                past_key_values=past_key_values,
-                use_cache=use_cache,
-                **kwargs,
-            )  # (batch, q, hidden)
-
-            # release: back to meta, so only the ring holds weights and the slot may be refilled
-            bind(layer, self.unbound[i])
-            self.ring.release(i)
-
-        hidden = body.norm(hidden[:, -logits_to_keep:])  # logits_to_keep=0 keeps every position
-        logits = self.hf.lm_head(hidden)  # (batch, q, vocab)
-        stats.pass_s = time.perf_counter() - started
-        self.stats = stats
-        return CausalLMOutputWithPast(logits=logits, past_key_values=past_key_values)
+        try:
+            out = self.hf(input_ids.to(self.device), **kwargs)  # logits (batch, q, vocab)
+        finally:
+            self.streamed.release()  # after an exception, the layer it left bound
+        # one host wait per pass, not per layer: pass_s then counts the device's work too
+        self.ring.ops.host_wait(self.ring.ops.record("compute"))
+        self.stats.pass_s = time.perf_counter() - started
+        return out
 
     def close(self) -> None:
         self.ring.close()
@@ -435,42 +477,54 @@ def from_pretrained(
     name_or_path: str | os.PathLike,
     *,
     mode: str = "ram",
-    device: str | torch.device | None = None,
-    dtype: torch.dtype | None = None,
+    device: str | torch.device | Cpu | None = None,
+    dtype: torch.dtype | str | None = None,
     offload_dir: str | os.PathLike | None = None,
     buffers: int = 2,
 ) -> OffloadedCausalLM:
     """An offloaded causal LM from a model folder or hub id of the Llama family.
 
-    mode "ram": every layer in one host buffer; "ssd": layers read from safetensors every pass
-    (the checkpoint's own files when their dtype fits, else a per-layer copy made in offload_dir).
-    device None: cuda if available, else cpu. dtype None: the dtype stored in the checkpoint.
+    mode "ram": every layer in one host arena; "ssd": layers read from safetensors every pass
+    (the checkpoint's own files when their dtype fits, else a per-layer copy made in offload_dir,
+    announced on stderr and named by `model.converted_folder`). device None: cuda if available,
+    else cpu; a `Cpu`/`Cuda`-like object runs on it (tests pass a fake one). dtype None: the dtype
+    stored in the checkpoint; "float16" and "torch.bfloat16" are read as torch dtypes. Every
+    error is an OffloadError with a one-line message.
     """
     if mode not in ("ram", "ssd"):
         raise OffloadError(f"mode must be 'ram' or 'ssd', not {mode!r}")
     if buffers < 1:
         raise OffloadError(f"buffers must be at least 1, not {buffers}")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    folder = find_folder(str(name_or_path))
-    config = AutoConfig.from_pretrained(folder)
+    ops = device  # the device's operations: Cpu, Cuda, or a test's fake
+    if not isinstance(device, Cpu):
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        if device.type != "cpu" and not (device.type == "cuda" and torch.cuda.is_available()):
+            raise OffloadError(f"offload runs on cpu or an available cuda device, not {device}")
+        ops = Cuda(device) if device.type == "cuda" else Cpu()
+    folder = files.find_folder(str(name_or_path))
+    try:
+        config = AutoConfig.from_pretrained(folder)
+        generation = None  # eos ids etc., where the folder has them, as from_pretrained reads
+        if (folder / "generation_config.json").is_file():
+            generation = GenerationConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as err:
+        raise OffloadError(f"{folder}: cannot load its config ({files.first_line(err)})") from None
     if config.model_type not in SUPPORTED_FAMILIES:
         raise OffloadError(
             f"model family {config.model_type!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_FAMILIES)} (Llama, Mistral, Qwen2/3, SmolLM, TinyLlama)"
         )
-    ckpt = Checkpoint(folder)
-    dtype = dtype or ckpt.spec("model.layers.0.self_attn.q_proj.weight")[0]
-    check_dtype_runs(device, dtype)
+    ckpt = files.Checkpoint(folder)
+    dtype = as_dtype(dtype) or ckpt.spec("model.layers.0.self_attn.q_proj.weight")[0]
+    check_dtype_runs(ops.device, dtype)
 
     # the skeleton on meta costs nothing; only the parts that stay on the device get real tensors
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
     shapes = {name: tuple(p.shape) for name, p in hf.model.layers[0].named_parameters()}
-    for i in range(config.num_hidden_layers):  # everything there, right shapes, before big reads
-        for name, shape in shapes.items():
-            ckpt.check(f"model.layers.{i}.{name}", shape)
+    ckpt.check_layers(shapes, config.num_hidden_layers)  # all there, right shapes, before big reads
     resident = {
-        name: ckpt.tensor(name, p.shape).to(device=device, dtype=dtype)
+        name: ckpt.tensor(name, p.shape).to(device=ops.device, dtype=dtype)
         for name, p in hf.named_parameters()
         if not name.startswith("model.layers.")
     }
@@ -478,30 +532,32 @@ def from_pretrained(
     if getattr(hf.config, "tie_word_embeddings", False):
         hf.lm_head.weight = hf.model.embed_tokens.weight
     # rotary frequencies are computed, not stored: build them again, off the meta device
-    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf.config).to(device)
-    if (folder / "generation_config.json").is_file():  # eos ids etc., as from_pretrained has them
-        hf.generation_config = GenerationConfig.from_pretrained(folder)
+    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf.config).to(ops.device)
+    if generation is not None:
+        hf.generation_config = generation
     hf.requires_grad_(False).eval()
 
+    converted = None
     if mode == "ram":
-        storage = load_ram(ckpt, shapes, config.num_hidden_layers, dtype, device)
+        storage = load_ram(ckpt, shapes, config.num_hidden_layers, dtype, ops)
     else:
-        storage = open_disk(ckpt, shapes, config.num_hidden_layers, dtype, offload_dir)
-    return OffloadedCausalLM(hf, storage, buffers)
+        offload_dir = Path(offload_dir).expanduser() if offload_dir is not None else None
+        storage, converted = open_disk(
+            ckpt, shapes, config.num_hidden_layers, dtype, ops, offload_dir
+        )
+    model = OffloadedCausalLM(hf, storage, buffers, ops)
+    model.converted_folder = converted
+    return model
 
 
-def find_folder(name_or_path: str) -> Path:
-    if Path(name_or_path).is_dir():
-        return Path(name_or_path)
-    from huggingface_hub import snapshot_download
-
-    try:  # safetensors where the repo has them, .bin only where it has not
-        folder = Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors"]))
-        if not any(folder.glob("*.safetensors")):
-            folder = Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.bin"]))
-    except (OSError, ValueError) as err:  # what the hub raises is one or the other
-        raise OffloadError(f"{name_or_path} is no folder and no reachable hub id: {err}") from None
-    return folder
+def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A torch dtype from itself or its name ("float16", "torch.bfloat16")."""
+    if not isinstance(dtype, str):
+        return dtype
+    found = getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype):
+        raise OffloadError(f"dtype {dtype!r} is no torch dtype; try 'float16' or 'bfloat16'")
+    return found
 
 
 def check_dtype_runs(device: torch.device, dtype: torch.dtype) -> None:
@@ -513,162 +569,31 @@ def check_dtype_runs(device: torch.device, dtype: torch.dtype) -> None:
         x = torch.ones(2, 8, dtype=dtype, device=device)  # (2, 8)
         torch.softmax(x @ x.T, dim=-1)
     except (RuntimeError, NotImplementedError, TypeError) as err:
-        reason = str(err).splitlines()[0]
+        reason = files.first_line(err)
         raise OffloadError(f"{device} cannot run {dtype} ({reason}); pass another dtype") from None
 
 
-def load_ram(ckpt: "Checkpoint", shapes: dict, n_layers: int, dtype, device) -> RamStorage:
-    layout = pack(shapes, dtype)  # the same for every layer
-    pinned = device.type == "cuda"  # page-locked: the GPU copies it without a bounce buffer
-    buffers = []
+def load_ram(ckpt: "files.Checkpoint", shapes: dict, n_layers: int, dtype, ops) -> RamStorage:
+    layout = pack(shapes, dtype)  # the same for every layer, a whole number of pages
+    arena = ops.host_buffer(n_layers * layout.nbytes)  # pinned on CUDA: copied without a bounce
+    buffers = [arena[i * layout.nbytes : (i + 1) * layout.nbytes] for i in range(n_layers)]
     for i in tqdm(range(n_layers), desc="offload: loading layers into RAM"):
-        buffer = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pinned)  # (nbytes,)
-        for name, view in layout.views(buffer).items():
+        for name, view in layout.views(buffers[i]).items():
             view.copy_(ckpt.tensor(f"model.layers.{i}.{name}", view.shape))  # converts the dtype
-        buffers.append(buffer)
     return RamStorage([layout] * n_layers, buffers)
 
 
-def open_disk(ckpt: "Checkpoint", shapes: dict, n_layers: int, dtype, offload_dir) -> DiskStorage:
+def open_disk(
+    ckpt, shapes: dict, n_layers: int, dtype, ops, offload_dir
+) -> tuple[DiskStorage, Path | None]:
+    """Storage on the checkpoint's files, or on a converted copy (then also its folder)."""
     layers = [
         {n: ckpt.entries.get(f"model.layers.{i}.{n}") for n in shapes} for i in range(n_layers)
     ]
     entries = [entry for layer in layers for entry in layer.values()]
     # the checkpoint's own files will do if their tensors have the dtype and can be viewed in place
     if all(e and e.dtype == dtype and e.start % dtype.itemsize == 0 for e in entries):
-        return DiskStorage(layers)
-    folder = convert(ckpt, shapes, n_layers, dtype, offload_dir)
-    return DiskStorage(
-        [read_header(folder / f"layer_{i:03d}.safetensors") for i in range(n_layers)]
-    )
-
-
-# ---- checkpoint files: safetensors headers, .bin shards, the per-layer offload folder ----
-
-DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
-def read_header(path: Path) -> dict[str, Entry]:
-    """Parse a safetensors header (8-byte little-endian length + JSON); check the file is whole."""
-    size = path.stat().st_size
-    with open(path, "rb") as file:
-        length = int.from_bytes(file.read(8), "little")
-        if size < 8 or 8 + length > size:
-            raise OffloadError(f"truncated safetensors shard {path}: header runs past the end")
-        try:
-            header = json.loads(file.read(length))
-        except ValueError:
-            raise OffloadError(f"corrupt safetensors shard {path}: header is not JSON") from None
-    header.pop("__metadata__", None)
-    entries = {}
-    for name, info in header.items():
-        if info["dtype"] not in DTYPES:
-            raise OffloadError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-        start, end = (8 + length + offset for offset in info["data_offsets"])
-        entries[name] = Entry(path, DTYPES[info["dtype"]], tuple(info["shape"]), start, end)
-    needed = max((entry.end for entry in entries.values()), default=0)
-    if needed > size:
-        raise OffloadError(
-            f"truncated safetensors shard {path}: {size} bytes, header says {needed}"
-        )
-    return entries
-
-
-class Checkpoint:
-    """The tensors of a model folder: safetensors shards (read by byte range) or .bin shards."""
-
-    def __init__(self, folder: Path):
-        self.folder, self.shards = folder, []
-        self.entries: dict[str, Entry] = {}  # safetensors: where each tensor's bytes are
-        self.mapped: dict[str, torch.Tensor] = {}  # .bin: tensors memory-mapped by torch.load
-        for weights in ("model.safetensors", "pytorch_model.bin"):
-            index = folder / f"{weights}.index.json"
-            if index.exists():
-                files = json.loads(index.read_text())["weight_map"].values()
-                self.shards = sorted({folder / file for file in files})
-            elif (folder / weights).exists():
-                self.shards = [folder / weights]
-            for shard in self.shards:
-                if not shard.is_file():
-                    raise OffloadError(f"missing checkpoint shard {shard}")
-                if shard.suffix == ".safetensors":
-                    self.entries.update(read_header(shard))
-                    continue
-                try:  # mmap: bytes are paged in as tensors are touched, never the whole shard
-                    self.mapped.update(torch.load(shard, mmap=True, weights_only=True))
-                except RuntimeError as err:
-                    reason = str(err).splitlines()[0]
-                    raise OffloadError(f"corrupt checkpoint shard {shard}: {reason}") from None
-            if self.shards:
-                return
-        raise OffloadError(f"no model.safetensors or pytorch_model.bin weights in {folder}")
-
-    def spec(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
-        """Stored dtype and shape of one tensor."""
-        if name in self.entries:
-            return self.entries[name].dtype, self.entries[name].shape
-        if name in self.mapped:
-            return self.mapped[name].dtype, tuple(self.mapped[name].shape)
-        raise OffloadError(f"{self.folder}: the checkpoint has no tensor {name}")
-
-    def check(self, name: str, shape: tuple[int, ...]) -> None:
-        if (found := self.spec(name)[1]) != tuple(shape):
-            raise OffloadError(f"{self.folder}: {name} has shape {found}, config wants {shape}")
-
-    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """One tensor on the host, in its stored dtype."""
-        self.check(name, tuple(shape))
-        if name in self.mapped:
-            return self.mapped[name]
-        entry = self.entries[name]
-        found = torch.empty(entry.end - entry.start, dtype=torch.uint8)  # (nbytes,)
-        with open(entry.path, "rb") as file:
-            pread_into(file.fileno(), found, entry.start, entry.path)
-        return found.view(entry.dtype).view(entry.shape)
-
-    def fingerprint(self) -> str:
-        """Changes when the checkpoint's files do: an older offload folder is then not reused."""
-        stamps = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in self.shards]
-        return hashlib.sha1(repr((str(self.folder.resolve()), stamps)).encode()).hexdigest()[:12]
-
-
-def convert(ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, offload_dir) -> Path:
-    """Write one safetensors file per layer, in `dtype`, once; later runs reuse the folder.
-
-    Every file is written under a temporary name, then renamed, and the manifest goes last: a
-    folder left by a failed run (disk full, killed) is never taken for a finished one.
-    """
-    from safetensors.torch import save
-
-    if offload_dir is None:
-        raise OffloadError(f"{ckpt.folder} needs a one-time conversion for ssd; pass offload_dir")
-    dtype_name = str(dtype).removeprefix("torch.")
-    folder = Path(offload_dir) / f"{ckpt.folder.name}-{ckpt.fingerprint()}-{dtype_name}"
-    manifest = {"source": str(ckpt.folder.resolve()), "dtype": dtype_name, "layers": n_layers}
-    done = folder / "manifest.json"
-    if done.is_file() and json.loads(done.read_text()) == manifest:
-        return folder  # converted by an earlier run
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        for i in tqdm(range(n_layers), desc=f"offload: converting layers into {folder}"):
-            tensors = {
-                name: ckpt.tensor(f"model.layers.{i}.{name}", shape).to(dtype).contiguous()
-                for name, shape in shapes.items()
-            }
-            write_then_rename(folder / f"layer_{i:03d}.safetensors", save(tensors))
-        write_then_rename(done, json.dumps(manifest).encode())
-    except OSError as err:
-        raise OffloadError(f"cannot write offload folder {folder}: {err.strerror or err}") from None
-    return folder
-
-
-def write_then_rename(path: Path, data: bytes) -> None:
-    temporary = path.with_name(path.name + ".tmp")
-    try:
-        with open(temporary, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())  # the rename must not reach the disk before the bytes do
-        os.replace(temporary, path)  # atomic: the file is either absent or whole
-    finally:
-        temporary.unlink(missing_ok=True)
+        return DiskStorage(layers, ops), None
+    folder = files.convert(ckpt, shapes, n_layers, dtype, offload_dir)
+    layer_files = [folder / f"layer_{i:03d}.safetensors" for i in range(n_layers)]
+    return DiskStorage([files.read_header(path) for path in layer_files], ops), folder

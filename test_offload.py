@@ -1,15 +1,21 @@
 """offload.py held against the in-memory Hugging Face model it wraps (the oracle).
 
-Tiny random models are saved to pytest's tmp folders; nothing is downloaded. Everything is float32
-on CPU, where the offloaded model runs the very same kernels in the very same order, so its logits
-must match the in-memory model's to float rounding.
+Tiny random models are saved to pytest's tmp folders; nothing is downloaded. On CPU everything is
+float32, where the offloaded model runs the very same kernels in the very same order, so its logits
+must match the in-memory model's to float rounding. The ring's ordering (events between a copy
+stream and the compute stream) is checked on a fake device whose streams are late-running worker
+threads; a last section runs only where CUDA is available.
 """
 
 import copy
 import errno
 import os
+import random
 import tempfile
+import threading
 import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import hypothesis.strategies as st
@@ -27,6 +33,7 @@ from transformers import (
 )
 
 import offload
+import offload_files
 
 torch.set_num_threads(1)  # tiny models; leave the other core alone
 
@@ -195,19 +202,49 @@ def test_filesystem_without_o_direct(checkpoints, monkeypatch):
 # ---- conversion: a per-layer offload folder when the checkpoint cannot be read as it is ----
 
 
-def test_dtype_conversion_writes_and_reuses_offload_folder(tmp_path):
+def test_dtype_conversion_writes_and_reuses_offload_folder(tmp_path, capsys, monkeypatch):
+    """The copy is announced on stderr, named by `converted_folder`, and reused silently."""
     oracle = save_model(tmp_path / "bf16", CONFIGS["llama"](), dtype=torch.bfloat16)
-    options = {"mode": "ssd", "device": "cpu", "dtype": torch.float32, "offload_dir": tmp_path}
+    monkeypatch.setenv("HOME", str(tmp_path))  # offload_dir="~/off" is under the home folder
+    options = {"mode": "ssd", "device": "cpu", "dtype": "float32", "offload_dir": "~/off"}
     ids = torch.randint(97, (1, 7), generator=torch.Generator().manual_seed(6))
     with offload.from_pretrained(tmp_path / "bf16", **options) as model:
         torch.testing.assert_close(model(ids).logits, oracle(ids).logits, rtol=1e-5, atol=1e-5)
-    (converted,) = tmp_path.glob("bf16-*-float32")
+    (converted,) = (tmp_path / "off").glob("bf16-*-float32")
+    assert model.converted_folder == converted
+    said = capsys.readouterr().err
+    assert f"offload: writing a 0.00 GB float32 per-layer copy of {tmp_path / 'bf16'}" in said
+    assert f"into {converted} (reused next time; delete it to free the space)" in said
     layer_files = sorted(converted.glob("layer_*.safetensors"))
     assert len(layer_files) == 3 and (converted / "manifest.json").is_file()
     written = [file.stat().st_mtime_ns for file in layer_files]
     with offload.from_pretrained(tmp_path / "bf16", **options) as model:  # reused, not rewritten
         torch.testing.assert_close(model(ids).logits, oracle(ids).logits, rtol=1e-5, atol=1e-5)
     assert [file.stat().st_mtime_ns for file in layer_files] == written
+    assert "offload: writing" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["manifest is not JSON", "a layer file is lost"])
+def test_damaged_offload_folder_is_rebuilt(tmp_path, damage):
+    oracle = save_model(tmp_path / "bf16", CONFIGS["llama"](), dtype=torch.bfloat16)
+    options = {"mode": "ssd", "device": "cpu", "dtype": torch.float32, "offload_dir": tmp_path}
+    offload.from_pretrained(tmp_path / "bf16", **options).close()
+    (converted,) = tmp_path.glob("bf16-*-float32")
+    if damage == "manifest is not JSON":
+        (converted / "manifest.json").write_text("{half a manif")
+    else:
+        (converted / "layer_001.safetensors").unlink()
+    ids = torch.randint(97, (1, 5))
+    with offload.from_pretrained(tmp_path / "bf16", **options) as model:
+        torch.testing.assert_close(model(ids).logits, oracle(ids).logits, rtol=1e-5, atol=1e-5)
+    assert (converted / "layer_001.safetensors").is_file()
+
+
+def test_in_place_and_ram_have_no_converted_folder(checkpoints):
+    folder, _ = checkpoints["llama"]
+    for mode in ("ram", "ssd"):
+        with offload.from_pretrained(folder, mode=mode, device="cpu") as model:
+            assert model.converted_folder is None and model.pinned_bytes == 0  # cpu pins nothing
 
 
 @pytest.mark.parametrize("mode", ["ram", "ssd"])
@@ -245,10 +282,10 @@ def test_planned_reads_give_what_safetensors_loads(tensors, data):
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "f.safetensors"
         save_file(written, path)
-        entries = offload.read_header(path)
-        storage = offload.DiskStorage([{name: entries[name] for name in wanted}])
+        entries = offload_files.read_header(path)
+        storage = offload.DiskStorage([{name: entries[name] for name in wanted}], offload.Cpu())
         slot = offload.page_aligned(storage.layouts[0].nbytes, torch.device("cpu"))  # as the ring
-        got = storage.layouts[0].views(storage.host_bytes(0, slot))
+        got = storage.layouts[0].views((storage.load(0, slot, offload.Cpu()) or slot))
         storage.close()
         expected = load_file(path)
     assert len(storage.reads[0]) <= len(wanted)
@@ -270,8 +307,8 @@ def test_resident_layers_never_exceed_buffers(tmp_path, buffers):
     with offload.from_pretrained(tmp_path, mode="ssd", device="cpu", buffers=buffers) as model:
         events = []  # +1 when a layer's read starts (reader thread), -1 when its compute ends
         storage = model.ring.storage
-        read = storage.host_bytes
-        storage.host_bytes = lambda layer, scratch: events.append(+1) or read(layer, scratch)
+        read = storage.load
+        storage.load = lambda layer, slot, ops: events.append(+1) or read(layer, slot, ops)
         slots = [(slot.data_ptr(), slot.data_ptr() + slot.numel()) for slot in model.ring.slots]
         bound = []  # at each layer's start: how many decoder layers have real weights
 
@@ -293,6 +330,194 @@ def test_resident_layers_never_exceed_buffers(tmp_path, buffers):
     assert max(running) == buffers  # never more; and the ring does look that far ahead
     assert set(bound) == {1}  # only the layer running has weights bound
     assert len(model.ring.slots) == buffers
+
+
+# ---- the ring's ordering, on a fake device whose streams run late ----
+
+
+class FakeEvent:
+    def __init__(self):
+        self.done = threading.Event()  # set when its stream reaches it
+
+
+class FakeDevice(offload.Cpu):
+    """Two "streams" as worker threads that run their work in order, each item after a random
+    delay; slots count as device memory, so disk reads pass through staging chunks. Only the
+    ring's events keep copy and compute apart here: a missing wait shows up as a check below
+    failing (kept in `errors`, since a worker thread cannot fail the test itself).
+    """
+
+    def __init__(self, seed: int, staging: tuple[int, int], oracle: torch.nn.Module):
+        self.staging, self.random, self.errors = staging, random.Random(seed), []
+        self.expected = oracle.state_dict()  # what each layer's weights must read
+        self.streams = {name: ThreadPoolExecutor(1) for name in ("copy", "compute")}
+        self.reading = Counter()  # slot start address -> computes reading that slot now
+        self.slots: list[torch.Tensor] = []  # the ring's, set once it exists
+        self.host_waits = 0  # times the host blocked on the device
+
+    def delay(self) -> None:
+        time.sleep(self.random.uniform(0, 0.002))
+
+    def check(self, condition: bool, message: str) -> None:
+        if not condition:
+            self.errors.append(message)
+
+    def slot_of(self, tensor: torch.Tensor) -> int:
+        (start,) = [
+            s.data_ptr()
+            for s in self.slots
+            if s.data_ptr() <= tensor.data_ptr() < s.data_ptr() + s.numel()
+        ]
+        return start
+
+    def record(self, stream: str) -> FakeEvent:
+        event = FakeEvent()  # recorded now, done when the stream gets there
+        self.streams[stream].submit(event.done.set)
+        return event
+
+    def wait_event(self, stream: str, event) -> None:
+        self.check(isinstance(event, FakeEvent), f"{stream} waits on {event!r}, never recorded")
+        self.streams[stream].submit(event.done.wait)
+
+    def host_wait(self, event) -> None:
+        self.host_waits += 1
+        self.check(isinstance(event, FakeEvent), f"the host waits on {event!r}, never recorded")
+        self.check(event.done.wait(timeout=30), "the host waited 30 s: a deadlock")
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        issued = src.clone()  # what the staging chunk holds when the copy is issued
+
+        def run():
+            self.delay()
+            slot = self.slot_of(dst)
+            self.check(self.reading[slot] == 0, "a copy into a slot while a layer computes on it")
+            self.check(torch.equal(src, issued), "a staging chunk overwritten before its copy")
+            dst.copy_(src)
+
+        self.streams["copy"].submit(run)
+
+    def launch(self, layer, *args, **kwargs):
+        """Run the layer on the compute stream; the host gets its output while the stream still
+        "reads" the weights for a while, as kernels do after the host has moved on."""
+        output = Future()
+        index = layer.self_attn.layer_idx
+        weights = dict(layer.named_parameters())  # views of the slot, as bound now
+
+        def own_layer() -> bool:
+            return all(
+                torch.equal(w, self.expected[f"model.layers.{index}.{n}"])
+                for n, w in weights.items()
+            )
+
+        def run():
+            self.delay()
+            slot = self.slot_of(next(iter(weights.values())))
+            self.reading[slot] += 1
+            self.check(own_layer(), f"layer {index} computes on another layer's weights")
+            try:
+                output.set_result(layer(*args, **kwargs))
+            except Exception as err:
+                output.set_exception(err)
+            self.delay()
+            self.check(own_layer(), f"layer {index}'s weights changed while it computed")
+            self.reading[slot] -= 1
+
+        self.streams["compute"].submit(run)
+        return output.result()
+
+    def close(self) -> None:
+        for stream in self.streams.values():
+            stream.shutdown()
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    family=st.sampled_from(["llama", "mistral"]),
+    mode=st.sampled_from(["ram", "ssd"]),
+    buffers=st.integers(1, 3),
+    staging=st.tuples(st.integers(1, 3), st.integers(1, 3)),  # chunks, pages each
+    fail_at=st.sampled_from([None, 0, 1, 2]),
+)
+def test_ring_ordering_on_a_fake_device(checkpoints, seed, family, mode, buffers, staging, fail_at):
+    """Copies, compute and staging kept apart by events alone; logits still equal the oracle's,
+    also in the pass after one that a layer broke off with an exception."""
+    folder, oracle = checkpoints[family]
+    fake = FakeDevice(seed, (staging[0], staging[1] * offload.PAGE), oracle)
+    model = offload.from_pretrained(folder, mode=mode, device=fake, buffers=buffers)
+    fake.slots = model.ring.slots
+    if fail_at is not None:  # the first pass breaks off in this layer
+
+        def fail_once(layer, args):
+            hook.remove()
+            raise RuntimeError("out of memory, say")
+
+        hook = model.layers[fail_at].register_forward_pre_hook(fail_once)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            model(torch.randint(97, (1, 4)), past_key_values=DynamicCache(config=model.config))
+    fake.host_waits = 0
+    with model:
+        caches = [DynamicCache(config=model.config), DynamicCache(config=oracle.config)]
+        for n in (5, 1, 3):
+            ids = torch.randint(97, (1, n), generator=torch.Generator().manual_seed(seed + n))
+            ours = model(ids, past_key_values=caches[0]).logits
+            theirs = oracle(ids, past_key_values=caches[1]).logits
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+    assert fake.errors == []
+    if mode == "ram":  # the host blocked once per pass, at its end, never per layer
+        assert fake.host_waits == 3
+
+
+# ---- on a GPU: runs only where CUDA is available (not yet run: written on a CPU machine) ----
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@cuda_only
+@pytest.mark.parametrize("buffers", [1, 2, 3])
+@pytest.mark.parametrize("mode", ["ram", "ssd"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_cuda_logits_match_resident_model(tmp_path, dtype, mode, buffers):
+    """The same Hugging Face forward over the same weights: logits equal the resident model's."""
+    save_model(tmp_path, LlamaConfig(**{**SIZES, "num_hidden_layers": 5}), dtype=dtype)
+    oracle = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).cuda().eval()
+    options = {"mode": mode, "device": "cuda", "dtype": dtype, "buffers": buffers}
+    with offload.from_pretrained(tmp_path, **options) as model:
+        if mode == "ram":  # registered byte for byte, not rounded up to a power of two
+            assert model.pinned_bytes == sum(layout.nbytes for layout in model.layouts)
+        caches = [DynamicCache(config=model.config), DynamicCache(config=oracle.config)]
+        for n in (9, 1, 4):
+            ids = torch.randint(97, (1, n), device="cuda")
+            ours = model(ids, past_key_values=caches[0]).logits
+            with torch.no_grad():
+                theirs = oracle(ids, past_key_values=caches[1]).logits
+            torch.testing.assert_close(ours, theirs)  # the dtype's own tolerances
+
+
+@cuda_only
+@pytest.mark.parametrize("mode", ["ram", "ssd"])
+def test_cuda_copies_are_pinned_and_overlap_compute(tmp_path, monkeypatch, mode):
+    """From the device timeline: host-to-device copies come from pinned memory and run beside
+    kernels; and a ram pass blocks the host once (its end), not once per layer."""
+    import bench_offload
+
+    config = LlamaConfig(**{**SIZES, "hidden_size": 512, "intermediate_size": 2048})
+    save_model(tmp_path, config, dtype=torch.float16, shard="2GB")
+    with offload.from_pretrained(tmp_path, mode=mode, device="cuda", buffers=2) as model:
+        ids = torch.randint(97, (1, 256), device="cuda")
+        model(ids)  # warm-up
+        timeline = bench_offload.copy_timeline(lambda: model(ids))
+        print(mode, timeline, f"{model.stats.gb_per_s:.2f} GB/s")  # pytest -s shows them
+        assert timeline["overlap"] > 0  # no host sync per layer: copy i+1 runs beside layer i
+        assert timeline["pageable"] == 0  # the registered arena and staging count as pinned
+        if mode == "ram":
+            waits = []
+            real = torch.cuda.Event.synchronize
+            monkeypatch.setattr(
+                torch.cuda.Event, "synchronize", lambda e: waits.append(e) or real(e)
+            )
+            model(ids)
+            assert len(waits) == 1
 
 
 # ---- bad input: a clear error, nothing lost ----
@@ -357,6 +582,51 @@ def test_dtype_the_device_cannot_run(checkpoints):
     folder, _ = checkpoints["llama"]
     with pytest.raises(offload.OffloadError, match="cpu cannot run torch.float8_e4m3fn"):
         offload.from_pretrained(folder, device="cpu", dtype=torch.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "torch.float32"])
+def test_dtype_as_a_string(checkpoints, dtype):
+    folder, _ = checkpoints["llama"]
+    with offload.from_pretrained(folder, device="cpu", dtype=dtype) as model:
+        assert model.dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("dtype", "dtype 'float33' is no torch dtype"),
+        ("config", "cannot load its config"),
+        ("no folder", "is no folder and no reachable hub id"),
+        ("device", "offload runs on cpu or an available cuda device, not meta"),
+        ("generation config", "cannot load its config"),
+        ("index", "corrupt checkpoint index"),
+    ],
+)
+def test_loading_errors_are_one_line(checkpoints, tmp_path, case, message):
+    folder, _ = checkpoints["llama"]
+    options = {"device": "cpu"}
+    if case == "dtype":
+        options["dtype"] = "float33"
+    if case == "device":
+        options["device"] = "meta"
+    if case == "config":
+        (tmp_path / "config.json").write_text("{not json")
+        folder = tmp_path
+    if case in ("generation config", "index"):
+        for file in folder.iterdir():
+            (tmp_path / file.name).write_bytes(file.read_bytes())
+        damaged = (
+            "generation_config.json"
+            if case == "generation config"
+            else "model.safetensors.index.json"
+        )
+        (tmp_path / damaged).write_text("{not json")
+        folder = tmp_path
+    if case == "no folder":
+        folder = tmp_path / "not" / "a" / "folder"  # nor a valid hub id: no network needed
+    with pytest.raises(offload.OffloadError, match=message) as caught:
+        offload.from_pretrained(folder, **options)
+    assert "\n" not in str(caught.value)
 
 
 @pytest.mark.skipif(
