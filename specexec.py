@@ -21,7 +21,8 @@ Words of the paper -> names in the code:
     max tree depth / draft iterations     max_depth     (draft passes per step)
     beam width (nodes expanded per pass)  width
     children kept per expanded node       branch
-    cumulative (path) probability         cum_logprob   (log of the draft's path probability)
+    cumulative (path) probability         cum_logprob   (log of the draft's path probability,
+                                                         at `Options.tree_temperature()`)
     last accepted, not yet seen token     root          (the "pending" token; the tree's root)
     bonus token                           bonus
     one target forward pass               a step        (Stats.steps)
@@ -69,10 +70,13 @@ class Options:
     top_p: float = option(1.0, "nucleus sampling mass (1 = off)")
     top_k: int = option(0, "sample from the k most likely (0 = off)")
     seed: int | None = option(None, "random seed for sampling (default: a fresh one)")
+    draft_temperature: float | None = option(
+        None, "sharpness of the draft's probabilities that rank the tree (default: see below)"
+    )
 
     def __post_init__(self):
         for f in fields(self):
-            value, integer = getattr(self, f.name), f.type is not float  # seed: int or None
+            value, integer = getattr(self, f.name), f.type in (int, int | None)
             kind = numbers.Integral if integer else numbers.Real  # a bool is no count
             if (value is not None or f.default is not None) and (
                 isinstance(value, bool) or not isinstance(value, kind)
@@ -92,6 +96,21 @@ class Options:
             raise SpecExecError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise SpecExecError(f"seed must be in [0, 2**64), got {self.seed}")
+        if self.draft_temperature is not None and not 1e-2 <= self.draft_temperature < math.inf:
+            raise SpecExecError(
+                f"draft_temperature must be in [0.01, inf), got {self.draft_temperature}"
+            )
+
+    def tree_temperature(self):
+        """The draft's temperature when it ranks tree nodes. The tree should hold the paths the
+        target is most likely to follow. Sampling at temperature t, that is the draft's path
+        probability at t. Greedy, the target follows the draft's top choice far more often than
+        a flat draft's probability says (on the default pair: 62% of positions, at a draft
+        probability of 18%), so a sharpened draft (0.3) ranks paths better: deeper trees, about
+        3x the tokens per step at budget 64 (README). Neither changes what is emitted."""
+        if self.draft_temperature is not None:
+            return self.draft_temperature
+        return self.temperature if self.temperature > 0 else 0.3
 
 
 @dataclass
@@ -364,7 +383,9 @@ def grow_tree(draft, cache, seq, opts, stats, limit):
     stats.draft_passes += 1
     tree = DraftTree(tokens=[seq[-1]], parents=[-1], cum_logprob=[0.0])
     heap = []  # keys of candidates, best first
-    tree.add_children([0], torch.log_softmax(logits[-1:].float(), -1), opts.branch, heap)
+    sharpness = opts.tree_temperature()
+    logprobs = torch.log_softmax(logits[-1:].float() / sharpness, -1)  # (1, vocab)
+    tree.add_children([0], logprobs, opts.branch, heap)
 
     # Tree nodes at depth d sit at position len(seq) - 1 + d, which must fit the context.
     for _ in range(min(opts.max_depth, limit - len(seq)) - 1):
@@ -382,7 +403,8 @@ def grow_tree(draft, cache, seq, opts, stats, limit):
         logits = tree_forward(draft, cache, [tree.tokens[node] for node in batch], parents)
         stats.draft_passes += 1
         tree.fed += batch
-        tree.add_children(batch, torch.log_softmax(logits.float(), -1), opts.branch, heap)
+        logprobs = torch.log_softmax(logits.float() / sharpness, -1)  # (len(batch), vocab)
+        tree.add_children(batch, logprobs, opts.branch, heap)
     return tree
 
 

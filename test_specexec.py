@@ -127,14 +127,21 @@ def test_tree_logits_equal_per_path_forwards(family, prefix, parents, data):
     max_depth=st.integers(1, 8),
     width=st.integers(1, 16),
     branch=st.integers(1, 8),
+    draft_temperature=st.sampled_from([None, 0.5, 1.0]),
 )
 def test_tree_is_best_budget_nodes_closed_under_ancestors(
-    seed, prompt, budget, max_depth, width, branch
+    seed, prompt, budget, max_depth, width, branch, draft_temperature
 ):
     from transformers import DynamicCache
 
     draft = tiny_model("llama", seed, init=0.3)
-    opts = specexec.Options(budget=budget, max_depth=max_depth, width=width, branch=branch)
+    opts = specexec.Options(
+        budget=budget,
+        max_depth=max_depth,
+        width=width,
+        branch=branch,
+        draft_temperature=draft_temperature,
+    )
     stats = specexec.Stats()
     with torch.no_grad():
         tree = specexec.grow_tree(draft, DynamicCache(), prompt, opts, stats, limit=128)
@@ -147,13 +154,15 @@ def test_tree_is_best_budget_nodes_closed_under_ancestors(
         assert len(ancestors(tree.parents, node)) - 1 <= max_depth
         for other in dropped:
             assert tree.cum_logprob[node] >= tree.cum_logprob[other]
-    # Each node's cum_logprob is its path's draft log-probability (oracle: fresh forwards).
+    # Each node's cum_logprob is its path's draft log-probability (oracle: fresh forwards), at
+    # the draft temperature: the given one, or 0.3 when decoding greedily.
+    sharpness = 0.3 if draft_temperature is None else draft_temperature
     for node in kept[:5]:
         path = [tree.tokens[j] for j in reversed(ancestors(tree.parents, node))]
         logp = 0.0
         for depth in range(1, len(path)):
             logits = fresh_logits(draft, prompt + path[1:depth])
-            logp += torch.log_softmax(logits, -1)[path[depth]].item()
+            logp += torch.log_softmax(logits / sharpness, -1)[path[depth]].item()
         assert math.isclose(tree.cum_logprob[node], logp, rel_tol=1e-6, abs_tol=1e-6)
 
 
