@@ -287,14 +287,17 @@ def load_model(folder, device, dtype):
         raise SpecExecError(f"{folder}: cannot load its weights ({one_line(error)})") from None
     # Hugging Face fills anything missing or misshapen with random weights and runs; we refuse.
     # A tied lm_head is not missing: it shares the embedding, and is not reported.
+    mismatched = [
+        f"{key} {tuple(ckpt)} vs {tuple(want)}" for key, ckpt, want in info["mismatched_keys"]
+    ]
     for keys, what in [
         (info["missing_keys"], "lacks {n} weights its config.json asks for"),
         (info["unexpected_keys"], "holds {n} weights its config.json has no place for"),
-        ([key for key, *_ in info["mismatched_keys"]], "has {n} weights of another shape"),
+        (mismatched, "has {n} weights of another shape than its config.json gives"),
     ]:
         if keys:
-            message = what.format(n=len(keys))
-            raise SpecExecError(f"{folder}: the checkpoint {message} ({min(keys)}, ...)")
+            first = sorted(keys)[0] + (", ..." if len(keys) > 1 else "")
+            raise SpecExecError(f"{folder}: the checkpoint {what.format(n=len(keys))} ({first})")
     return model.to(device).eval()
 
 

@@ -55,7 +55,7 @@ def check_errors(cases):
     assert not wrong, "\n".join(wrong)
 
 
-def save_tiny(path, vocab_words=None, vocab=64, layers=2, tie=False):
+def save_tiny(path, vocab_words=None, vocab=64):
     """A tiny random llama and a word-level tokenizer whose vocabulary is `vocab_words`."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -66,9 +66,9 @@ def save_tiny(path, vocab_words=None, vocab=64, layers=2, tie=False):
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=words[0])
     fast.save_pretrained(path)
     config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
-        tie_word_embeddings=tie,
+        tie_word_embeddings=False,
     )  # fmt: skip
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
