@@ -18,7 +18,6 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import cli
 import specexec
 from specexec import SpecExecError
 
@@ -470,53 +469,6 @@ def test_eos_defaults_to_the_targets_generation_config():
         assert decode(max_new_tokens=30, eos_token_id=[])[0] == full
 
 
-def save_tiny(path, family="llama", vocab_words=None):
-    """Save a tiny model and a word-level tokenizer whose vocabulary is `vocab_words`."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = vocab_words or [f"w{i}" for i in range(64)]
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=words[0]).save_pretrained(path)
-    tiny_model(family).save_pretrained(path)
-    return str(path)
-
-
-def run_cli(capsys, *argv):
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(list(argv))
-    err = capsys.readouterr().err
-    return exit_info.value.code, err
-
-
-def test_cli_rejects_bad_input_in_one_line(tmp_path, capsys):
-    good = save_tiny(tmp_path / "good")
-    other = save_tiny(tmp_path / "other", vocab_words=[f"v{i}" for i in range(64)])
-    gpt2 = tmp_path / "gpt2"
-    gpt2.mkdir()
-    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    capsys.readouterr()  # drop what saving printed
-    cases = [
-        (["--target", str(tmp_path / "missing"), "--draft", good], "no such model folder"),
-        (["--target", good, "--draft", other], "tokenizers differ"),
-        (["--target", str(gpt2), "--draft", good], "family 'gpt2' is not supported"),
-        (["--target", good, "--draft", good, "--budget", "0"], "budget must be at least 1"),
-        (["--target", good, "--draft", good, "--max-depth", "0"], "max_depth must be at least 1"),
-        (["--target", good, "--draft", good, "--prompt", ""], "the prompt is empty"),
-        (["--target", good, "--draft", good, "--device", "tpu9"], "--device tpu9"),
-        (["--target", good, "--draft", good, "--chat-template", "on"], "has no chat template"),
-        (["--target", good, "--draft", good, "--prompt", "w1 " * 200], "the context holds 128"),
-    ]
-    if not torch.cuda.is_available():
-        cases.append((["--target", good, "--draft", good, "--device", "cuda"], "no CUDA device"))
-    for argv, message in cases:
-        extra = [] if "--chat-template" in argv else ["--chat-template", "off"]
-        code, err = run_cli(capsys, *argv, *extra)
-        assert code == 2, argv
-        assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
-
-
 # ---- the project's own trained pair ----
 
 PAIR = HERE / "models"
@@ -540,14 +492,6 @@ def test_trained_pair_is_exact_and_speculates():
             tokens, stats = specexec.generate(target, draft, ids, max_new_tokens=48, budget=64)
             assert tokens == expected
             assert stats.tokens_per_step > 1.5, stats.summary()
-
-
-@needs_pair
-def test_cli_runs_with_no_flags_and_compares(capsys):
-    cli.main(["--max-new-tokens", "24", "--compare"])
-    out = capsys.readouterr().out
-    assert "tokens/step" in out and "tokens/s" in out
-    assert "identical output" in out
 
 
 # ---- the notebook ----

@@ -1,0 +1,373 @@
+"""Tests for cli.py, run as a user runs it: `python specexec.py ...` in a subprocess, so that the
+exit status, stderr and stray log lines are what a user would see.
+
+The promise under test: every bad input is one line `error: ...` on stderr, exit status 2, no
+traceback, nothing written; Ctrl-C exits with 130 and a closed pipe quietly.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+import cli
+import specexec
+
+HERE = Path(__file__).resolve().parent
+PAIR = HERE / "models"
+needs_pair = pytest.mark.skipif(
+    not (PAIR / "target" / "config.json").exists(), reason="models/ not trained yet"
+)
+
+
+def cli_run(*argv, env=None, timeout=300):
+    """`python specexec.py ARGV` in a subprocess; returns the CompletedProcess."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(
+        [sys.executable, str(HERE / "specexec.py"), *argv],
+        capture_output=True, text=True, env=env, timeout=timeout, cwd=HERE,
+    )  # fmt: skip
+
+
+def cli_run_all(cases):
+    """Several CLI runs at once (each one mostly imports torch): [(argv, env)] -> results."""
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return list(pool.map(lambda case: cli_run(*case[0], env=case[1]), cases))
+
+
+def check_errors(cases):
+    """cases: [(argv, message) or (argv, message, env)]; each must fail in one clean line."""
+    results = cli_run_all([(case[0], case[2] if len(case) > 2 else None) for case in cases])
+    wrong = []
+    for (argv, message, *_), result in zip(cases, results):
+        err = result.stderr
+        one_clean_line = err.startswith("error: ") and err.count("\n") == 1
+        if result.returncode != 2 or not one_clean_line or message not in err:
+            wrong.append(f"{argv}: exit {result.returncode}, stderr {err[-600:]!r}")
+    assert not wrong, "\n".join(wrong)
+
+
+def save_tiny(path, vocab_words=None, vocab=64):
+    """A tiny random llama and a word-level tokenizer whose vocabulary is `vocab_words`."""
+    import transformers
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = vocab_words or [f"w{i}" for i in range(64)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=words[0])
+    fast.save_pretrained(path)
+    config = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+def edit_json(path, **changes):
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+
+# ---- bad options and prompts ----
+
+
+def rejected_by_options(**options):
+    """Whether specexec.Options refuses these (some checks arrive with the core's branch)."""
+    try:
+        specexec.Options(**options)
+    except specexec.SpecExecError:
+        return True
+    return False
+
+
+def test_bad_options_fail_in_one_line(tmp_path):
+    good = save_tiny(tmp_path / "good")
+    other = save_tiny(tmp_path / "other", vocab_words=[f"v{i}" for i in range(64)])
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    pair = ["--target", good, "--draft", good, "--prompt", "w1 w2"]
+    offline = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    no_hub = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}  # refused
+    cases = [
+        (["--target", str(tmp_path / "missing"), "--draft", good], "no such model folder"),
+        (["--target", good, "--draft", other], "tokenizers differ"),
+        (["--target", str(gpt2), "--draft", good], "family 'gpt2' is not supported"),
+        ([*pair, "--budget", "0"], "budget must be at least 1"),
+        ([*pair, "--max-depth", "0"], "max_depth must be at least 1"),
+        ([*pair, "--budget", "many"], "argument --budget: invalid int value"),
+        ([*pair, "--no-such-flag"], "unrecognized arguments"),
+        ([*pair, "--prompt", ""], "the prompt is empty"),
+        ([*pair, "--prompt", "w1 " * 200], "the context holds 128"),
+        ([*pair, "--chat-template", "on"], "has no chat template"),
+        ([*pair, "--temperature", "nan"], "nan is not a finite number"),
+        ([*pair, "--temperature", "inf"], "inf is not a finite number"),
+        ([*pair, "--threads", "0"], "0 is not a positive integer"),
+        ([*pair, "--offload-clean"], "--offload-clean goes with --offload ssd"),
+        (["--target", "nobody/no-such-model"], "HF_HUB_OFFLINE is set", offline),
+        (["--target", "nobody/no-such-model"], "127.0.0.1 cannot be reached", no_hub),
+    ]
+    if (PAIR / "prompts.json").exists():
+        count = len(json.loads((PAIR / "prompts.json").read_text()))
+        cases += [(["--prompt-index", str(i)], f"has 0..{count - 1}") for i in (count, -1)]
+    for device in ("tpu9", "cuda", "mps", "xpu", "hip", "meta"):
+        if device == "cuda" and torch.cuda.is_available():
+            continue
+        cases.append(([*pair, "--device", device], f"--device {device}: "))
+    # checks that live in specexec.Options: the CLI only has to show them in one line
+    for flag, value in [("seed", 2**64), ("temperature", 1e-320)]:
+        if rejected_by_options(**{flag: value}):
+            cases.append(([*pair, f"--{flag}", str(value)], "error"))
+    check_errors(cases)
+
+
+def test_hub_id_offline_fails_fast():
+    """A dead network costs one quick look, not the hub client's half minute of retries."""
+    start = time.perf_counter()
+    result = cli_run("--target", "nobody/no-such-model", env={"HF_ENDPOINT": "http://127.0.0.1:9"})
+    assert result.returncode == 2 and "local model folder" in result.stderr
+    assert "Retrying" not in result.stderr and time.perf_counter() - start < 120
+
+
+# ---- damaged model folders ----
+
+
+def damaged_folders(root):
+    """{what is wrong: folder}, each a copy of one good tiny model with one thing broken."""
+    good = Path(save_tiny(root / "good"))
+    folders = {}
+
+    def copy(name):
+        folders[name] = shutil.copytree(good, root / name.replace(" ", "_"))
+        return folders[name]
+
+    weights = copy("truncated safetensors") / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    (copy("empty safetensors") / "model.safetensors").write_bytes(b"")
+    (copy("no weights file") / "model.safetensors").unlink()
+    folder = copy("index naming a missing shard")
+    (folder / "model.safetensors").rename(folder / "part-1.safetensors")
+    weight_map = {"model.embed_tokens.weight": "part-1.safetensors", "lm_head.weight": "part-2"}
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    folder = copy("corrupt bin")
+    (folder / "model.safetensors").unlink()
+    (folder / "pytorch_model.bin").write_bytes(b"not a pickle" * 100)
+    edit_json(copy("wrong shapes") / "config.json", intermediate_size=72)
+    edit_json(copy("more layers than the checkpoint") / "config.json", num_hidden_layers=3)
+    edit_json(copy("fewer layers than the checkpoint") / "config.json", num_hidden_layers=1)
+    (copy("no tokenizer files") / "tokenizer.json").unlink()
+    (copy("broken tokenizer") / "tokenizer.json").write_text('{"version": ')
+    (copy("tokenizer not json") / "tokenizer.json").write_text('{"model": 7}')
+    save_tiny(root / "small vocab", vocab=32)  # a 64-word tokenizer over 32 embedding rows
+    folders["small vocab"] = root / "small vocab"
+    return good, folders
+
+
+MESSAGES = {
+    "truncated safetensors": "truncated",
+    "empty safetensors": "truncated",
+    "no weights file": "no model.safetensors or pytorch_model.bin",
+    "index naming a missing shard": "missing checkpoint shard",
+    "corrupt bin": "corrupt checkpoint shard",
+    "wrong shapes": "weights of another shape",
+    "more layers than the checkpoint": "lacks 9 weights its config.json asks for",
+    "fewer layers than the checkpoint": "holds 9 weights its config.json has no place for",
+    "no tokenizer files": "cannot load its tokenizer",
+    "broken tokenizer": "cannot load its tokenizer",
+    "tokenizer not json": "cannot load its tokenizer",
+    "small vocab": "the tokenizer gives ids up to 63, but the model's vocabulary holds 32",
+}
+
+
+def test_damaged_model_folders_fail_in_one_line_and_write_nothing(tmp_path):
+    good, folders = damaged_folders(tmp_path)
+    assert set(folders) == set(MESSAGES)
+    offload_dir = tmp_path / "offload"
+    prompt = ["--prompt", "w1 w2", "--max-new-tokens", "4"]
+    cases = []
+    for what, folder in folders.items():
+        cases.append((["--target", str(folder), "--draft", good, *prompt], MESSAGES[what]))
+        cases.append((["--target", good, "--draft", str(folder), *prompt], MESSAGES[what]))
+    for what in ("truncated safetensors", "corrupt bin", "index naming a missing shard"):
+        ssd = ["--offload", "ssd", "--dtype", "float64", "--offload-dir", str(offload_dir)]
+        cases.append((["--target", str(folders[what]), "--draft", good, *prompt, *ssd], "shard"))
+    check_errors(cases)
+    assert not offload_dir.exists()  # refused before any conversion began
+
+
+# ---- chat templates ----
+
+TEMPLATE = (
+    "{% for m in messages %}<|user|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_pair(tmp_path_factory):
+    """The project's pair as an instruct pair: a chat template and two new special tokens, with
+    embeddings grown to hold them (as fine-tuning would); also the same tokenizer beside the
+    original weights, whose vocabulary is now too small for it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (PAIR / "target" / "config.json").exists():
+        pytest.skip("models/ not trained yet")
+    root = tmp_path_factory.mktemp("chat")
+    tokenizer = AutoTokenizer.from_pretrained(PAIR / "target")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|user|>", "<|assistant|>"]})
+    tokenizer.chat_template = TEMPLATE
+    for name in ("target", "draft"):
+        model = AutoModelForCausalLM.from_pretrained(PAIR / name)
+        model.resize_token_embeddings(len(tokenizer))
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+        unresized = root / f"{name}-unresized"
+        unresized.mkdir()
+        for file in (PAIR / name).iterdir():
+            (unresized / file.name).symlink_to(file)
+        for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            if (root / name / file).exists():
+                (unresized / file).unlink(missing_ok=True)
+                shutil.copy(root / name / file, unresized / file)
+    return root, tokenizer
+
+
+def test_chat_template_tokens_are_the_rendered_text(chat_pair):
+    """Oracle: render the template to text, then tokenize the text."""
+    _, tokenizer = chat_pair
+    messages = [{"role": "user", "content": "def add(a, b):"}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    expected = tokenizer(text, add_special_tokens=False)["input_ids"]
+    for mode in ("auto", "on"):
+        ids = cli.tokenize(tokenizer, "def add(a, b):", mode, "chat")
+        assert ids == expected and all(isinstance(i, int) for i in ids)
+    assert ids[0] == tokenizer.convert_tokens_to_ids("<|user|>") == len(tokenizer) - 2
+    plain = cli.tokenize(tokenizer, "def add(a, b):", "off", "chat")
+    assert plain == tokenizer("def add(a, b):")["input_ids"]
+
+
+def test_cli_runs_through_a_chat_template(chat_pair):
+    root, _ = chat_pair
+    pair = ["--target", str(root / "target"), "--draft", str(root / "draft")]
+    common = [*pair, "--prompt", "def add(a, b):", "--max-new-tokens", "12", "--compare"]
+    runs = [
+        [*common, "--chat-template", "auto"],
+        [*common, "--chat-template", "on"],
+        [*common, "--chat-template", "on", "--offload", "ram"],
+        [*common, "--chat-template", "off"],
+    ]
+    results = cli_run_all([(argv, None) for argv in runs])
+    for argv, result in zip(runs, results):
+        assert result.returncode == 0, (argv, result.stderr[-2000:])
+        prompt = result.stdout.split("--- continuation ---")[0]
+        assert ("<|user|>def add(a, b):\n<|assistant|>" in prompt) == ("off" not in argv), prompt
+        assert "identical output" in result.stdout and "Traceback" not in result.stderr
+    unresized = ["--target", str(root / "target-unresized"), "--draft", str(root / "draft")]
+    check_errors([([*unresized, "--prompt", "x"], "but the model's vocabulary holds 4096")])
+
+
+# ---- the project's own pair, run as a user runs it ----
+
+
+@needs_pair
+def test_cli_runs_with_no_flags_and_compares():
+    result = cli_run("--max-new-tokens", "24", "--compare", "--threads", "1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    prompt, continuation = result.stdout.split("\n--- continuation ---\n")  # piped: a separator
+    assert "tokens/step" in continuation and "tokens/s" in continuation
+    assert "identical output" in continuation and "threads 1" in continuation
+    assert "seed" not in continuation  # greedy: no seed to report
+    assert "Loading weights" not in result.stderr and "\x1b[" not in result.stdout
+
+
+@needs_pair
+def test_sampling_prints_the_seed_that_reproduces_it():
+    first = cli_run("--max-new-tokens", "16", "--temperature", "0.9")
+    assert first.returncode == 0, first.stderr[-2000:]
+    seed = first.stdout.rsplit("seed ", 1)[1].split()[0]
+    again = cli_run("--max-new-tokens", "16", "--temperature", "0.9", "--seed", seed)
+    assert again.stdout.split("\n\nspecexec:")[0] == first.stdout.split("\n\nspecexec:")[0]
+
+
+def start_cli(*argv, **kwargs):
+    """`python specexec.py` as a background process that Ctrl-C (SIGINT) interrupts."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    reset_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    return subprocess.Popen(
+        [sys.executable, str(HERE / "specexec.py"), *argv], env=env, cwd=HERE,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=reset_sigint, **kwargs,
+    )  # fmt: skip
+
+
+@needs_pair
+def test_output_into_head_exits_quietly():
+    process = start_cli("--max-new-tokens", "200")
+    assert len(process.stdout.read(50)) == 50
+    process.stdout.close()  # the reader leaves, as `| head -c 50` does
+    process.wait(timeout=300)
+    err = process.stderr.read().decode()
+    assert process.returncode in (0, 1) and err == "", err
+
+
+@needs_pair
+def test_ctrl_c_while_streaming_exits_130_quietly():
+    process = start_cli("--max-new-tokens", "400")
+    seen = b""
+    while b"--- continuation ---" not in seen and (chunk := process.stdout.read1(4096)):
+        seen += chunk
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == 130 and b"Traceback" not in err, err
+
+
+@needs_pair
+def test_ctrl_c_while_converting_leaves_no_finished_looking_folder(tmp_path):
+    """Interrupted while the ssd tier writes its copy: exit 130, and the folder is never taken
+    for a finished one (no manifest unless every layer is there)."""
+    process = start_cli(
+        "--offload", "ssd", "--dtype", "float64", "--offload-dir", str(tmp_path), "--prompt", "x"
+    )
+    while not any(tmp_path.rglob("*.safetensors*")) and process.poll() is None:
+        time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode in (0, 130) and b"Traceback" not in err, err
+    for manifest in tmp_path.rglob("manifest.json"):
+        layers = json.loads(manifest.read_text())["layers"]
+        assert len(list(manifest.parent.glob("layer_*.safetensors"))) == layers
+
+
+@needs_pair
+def test_offload_dir_expands_home(tmp_path):
+    argv = ["--offload", "ssd", "--dtype", "float64", "--offload-dir", "~/copies"]
+    result = cli_run(*argv, "--max-new-tokens", "4", env={"HOME": str(tmp_path)})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert list((tmp_path / "copies").glob("*/manifest.json"))
+    assert not (HERE / "~").exists()
+
+
+@pytest.mark.skipif(
+    "converted_folder" not in (HERE / "offload.py").read_text(),
+    reason="needs OffloadedCausalLM.converted_folder (the offload helper's branch)",
+)
+@needs_pair
+def test_offload_clean_removes_the_copy_and_in_place_reads_write_none(tmp_path):
+    ssd = ["--offload", "ssd", "--offload-dir", str(tmp_path), "--max-new-tokens", "4"]
+    kept = cli_run(*ssd, "--dtype", "float64")
+    assert kept.returncode == 0 and "--offload-clean removes it" in kept.stderr, kept.stderr
+    cleaned = cli_run(*ssd, "--dtype", "float64", "--offload-clean")
+    assert cleaned.returncode == 0 and "removed the converted copy" in cleaned.stderr
+    assert not list(tmp_path.iterdir())
+    in_place = cli_run(*ssd)  # auto: the checkpoint's own dtype, read in place
+    assert in_place.returncode == 0 and not list(tmp_path.iterdir()), in_place.stderr
