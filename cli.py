@@ -109,11 +109,12 @@ def parse_args(argv=None):
     for f in fields(Options):  # one source of defaults and help for the API and the CLI
         text = f.metadata["help"]
         text += "" if "default" in text else " (default: %(default)s)"
+        real = f.type in (float, float | None)
         group.add_argument(
             "--" + f.name.replace("_", "-"),
-            type=finite if f.type is float else int,
+            type=finite if real else int,
             default=f.default,
-            metavar="X" if f.type is float else "N",
+            metavar="X" if real else "N",
             help=text,
         )
     group = parser.add_argument_group("output")
@@ -276,7 +277,7 @@ def load_model(folder, device, dtype):
     """The model in memory, refusing a checkpoint that does not fill it exactly."""
     from transformers import AutoModelForCausalLM
 
-    from offload import Checkpoint
+    from offload_files import Checkpoint
 
     Checkpoint(folder)  # damaged or missing shards: the same clear errors as with --offload
     try:

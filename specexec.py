@@ -71,7 +71,9 @@ class Options:
     top_k: int = option(0, "sample from the k most likely (0 = off)")
     seed: int | None = option(None, "random seed for sampling (default: a fresh one)")
     draft_temperature: float | None = option(
-        None, "sharpness of the draft's probabilities that rank the tree (default: see below)"
+        None,
+        "the draft's temperature when it ranks the tree (default: 0.3 when greedy, "
+        "else the sampling temperature); output is unchanged",
     )
 
     def __post_init__(self):
