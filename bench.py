@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -153,6 +154,7 @@ def measure(row, decode, prompt_ids, meters):
         row.target_passes += target_meter.passes
         row.target_s += target_meter.seconds
         row.draft_s += draft_meter.seconds
+    print(f"bench: {row.setting}, {row.label()}: {row.seconds:.1f} s", file=sys.stderr)
     return row
 
 
