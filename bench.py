@@ -282,8 +282,8 @@ def time_offloaded_passes(cfg, token_counts):
 def project(cfg, rows, per_layer):
     """Tokens/s and speedup per row for a 32-layer target, CPU-measured and GPU-assumed compute.
 
-    rows[0] is autoregressive decoding, the baseline. Returns markdown lines and the best row
-    per variant.
+    rows[0] is autoregressive decoding, the baseline. Returns markdown lines and, per variant,
+    SpecExec's best budget and its speedup.
     """
     h, m = LLAMA_7B["hidden_size"], LLAMA_7B["intermediate_size"]
     layer_params = 4 * h * h + 3 * h * m  # attention q, k, v, o; MLP gate, up, down
@@ -315,7 +315,8 @@ def project(cfg, rows, per_layer):
         for variant, compute in computes.items():
             rate = row.tokens_per_pass / (pass_s(n, compute) + overhead)
             speedup = rate / base.setdefault(variant, rate)
-            best[variant] = max(best.get(variant, (0, "")), (speedup, row.label()))
+            if row.budget:
+                best[variant] = max(best.get(variant, (0, 0)), (speedup, row.budget))
             cells.append(f"{rate:.3f} | {speedup:.2f}x")
         lines.append(
             f"| {row.method} | {row.budget or ''} | {n} | {row.tokens_per_pass:.2f} "
@@ -488,8 +489,8 @@ def print_projection(cfg, greedy):
         print(f"| {n} | {p['io']:.3f} | {p['compute']:.3f} | {p['pass_s']:.2f} |")
     print()
     print("\n".join(lines))
-    for variant, (speedup, which) in best.items():
-        print(f"- best budget ({variant} compute): {which}, {speedup:.2f}x over autoregressive "
+    for variant, (speedup, budget) in best.items():
+        print(f"- best budget ({variant} compute): {budget}, {speedup:.2f}x over autoregressive "
               f"decoding of the offloaded target (goal >= 5x)")  # fmt: skip
 
 
