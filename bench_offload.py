@@ -2,15 +2,18 @@
 
     python bench_offload.py                 # cpu: 1, 16, 128 and 1024 tokens; a few minutes
     python bench_offload.py --device cuda   # gpu: CUDA-event timers and the copy timeline
+    python bench_offload.py --quality models/target   # held-out loss: float vs int8 vs int4
 
 A random Llama of several GB is written to a temp folder and deleted afterwards (Linux only).
 On cpu, for each token count it times one pass of each tier (ssd, ram, and the plain in-memory
 model as the compute baseline), each in a fresh process, beside the raw cold read of the same
 bytes, all in the same run, and prints overlap efficiency, I/O efficiency, bytes moved and peak
-RSS. On cuda it times passes with CUDA events (synchronised) and reads the profiler's device
-timeline: how busy the copy engine was, the gaps between copies, how much copying overlapped
-compute, and the achieved GB/s against the raw pinned (ram) or cold disk (ssd) bandwidth
-measured in the same run.
+RSS; quantized rows (int8, int4) beside each tier's float one store and move the same weights
+quantized, dequantized as they land. On cuda it times passes with CUDA events (synchronised) and
+reads the profiler's device timeline: how busy the copy engine was, the gaps between copies, how
+much copying overlapped compute, and the achieved GB/s against the raw pinned (ram) or cold disk
+(ssd) bandwidth measured in the same run. --quality measures what quantized weights cost a real
+target instead: held-out loss and top-1 agreement with the full model.
 """
 
 import concurrent.futures
@@ -41,10 +44,13 @@ class BenchConfig:
     vocab: int = 32000  # vocabulary size
     buffers: int = 2  # device buffers in the ring
     device: str = "cpu"  # cpu, or cuda: CUDA-event timers and the copy timeline
-    dtype: str = "float16"  # the model's dtype on cuda; the cpu run is float32
+    dtype: str = ""  # the model's dtype; empty: float16 on cuda, float32 on cpu
+    quantize: str = "int8,int4"  # cpu: quantized rows beside each tier's float one; "": none
     threads: int = max(1, (os.cpu_count() or 2) - 1)  # cpu: all cores but the reader's
     ram_limit_gb: float = 2.0  # cpu: RLIMIT_DATA for the ssd process, below the model's size
     folder: str = ""  # keep the random checkpoint here; empty: a temp folder
+    quality: str = ""  # a model folder: held-out loss float vs int8 vs int4, instead of timing
+    windows: int = 10**6  # --quality: at most this many held-out windows of 512 tokens
 
 
 def bench(opts: BenchConfig) -> str:
@@ -54,19 +60,26 @@ def bench(opts: BenchConfig) -> str:
 
     tokens = [int(n) for n in opts.tokens.split(",")]
     folder = Path(opts.folder or tempfile.mkdtemp(prefix="offload-bench-"))
-    dtype = getattr(torch, opts.dtype) if opts.device == "cuda" else torch.float32
     try:
-        write_random_llama(folder, opts, dtype)
+        write_random_llama(folder, opts, model_dtype(opts))
         if opts.device == "cuda":
-            return bench_cuda(folder, tokens, opts, dtype)
-        runs = {tier: in_fresh_process(measure, folder, tier, tokens, opts) for tier in TIERS}
+            return bench_cuda(folder, tokens, opts, model_dtype(opts))
+        runs = {t: in_fresh_process(measure, folder, t, tokens, opts) for t in tiers(opts)}
     finally:
         if not opts.folder:
             shutil.rmtree(folder)
     return report(opts, tokens, runs)
 
 
-TIERS = ("ssd", "ram", "resident")  # resident: the plain in-memory model, the compute baseline
+def model_dtype(opts: BenchConfig) -> torch.dtype:
+    return getattr(torch, opts.dtype or ("float16" if opts.device == "cuda" else "float32"))
+
+
+def tiers(opts: BenchConfig) -> list[str]:
+    """ssd, its quantized rows ("ssd int8"), ram, its quantized rows, and resident: the plain
+    in-memory model, the compute baseline."""
+    kinds = ["", *(kind for kind in opts.quantize.split(",") if kind)]
+    return [f"{mode} {kind}".strip() for mode in ("ssd", "ram") for kind in kinds] + ["resident"]
 
 
 def write_random_llama(folder: Path, opts: BenchConfig, dtype: torch.dtype) -> None:
@@ -106,7 +119,7 @@ def write_random_llama(folder: Path, opts: BenchConfig, dtype: torch.dtype) -> N
 
 def evict_page_cache(folder: Path) -> None:
     """Drop the folder's files from the page cache, so the next read comes from the disk."""
-    for path in folder.iterdir():
+    for path in filter(Path.is_file, folder.iterdir()):
         fd = os.open(path, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
@@ -127,17 +140,25 @@ def measure(folder: Path, tier: str, tokens: list[int], opts: BenchConfig) -> di
 
     torch.set_num_threads(opts.threads)
     result = {"baseline_rss": proc_status("VmRSS"), "passes": {}}
-    if tier == "ssd":  # the offloader gets less memory than the model needs
+    mode, _, kind = tier.partition(" ")
+    if mode == "ssd":  # the offloader gets less memory than the model needs
         limit = int(opts.ram_limit_gb * 2**30)
         resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
     if tier == "resident":
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    else:
-        model = offload.from_pretrained(folder, mode=tier, device="cpu", buffers=opts.buffers)
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=model_dtype(opts)).eval()
+    else:  # ssd + quantize reads a quantized copy, converted once into folder/offload
+        options = {
+            "buffers": opts.buffers,
+            "quantize": kind or None,
+            "offload_dir": folder / "offload",
+        }
+        model = offload.from_pretrained(folder, mode=mode, device="cpu", **options)
+        folder = model.converted_folder or folder  # where its reads come from
     one_pass(model, 1)  # warm-up: thread start, allocator, lazy initialisation
 
     def read_alone() -> float:
-        """The raw read: this tier's own transfers, cold, one layer after another, no compute."""
+        """The raw read: this tier's own transfers (quantized: and dequantizing), cold, one
+        layer after another, no compute."""
         model.ring.drain()
         evict_page_cache(folder)
         started = time.perf_counter()
@@ -179,12 +200,14 @@ def proc_status(key: str) -> int:
 
 def report(opts: BenchConfig, tokens: list[int], runs: dict) -> str:
     layer_gb = runs["ssd"]["passes"][tokens[0]]["moved"] / opts.layers / 1e9
-    resident_gb = 2 * opts.vocab * opts.hidden * 4 / 1e9  # embeddings and LM head, fp32
-    kv_gb = 2 * opts.layers * max(1, opts.hidden // 512) * 64 * max(tokens) * 4 / 1e9
+    dtype = model_dtype(opts)
+    resident_gb = 2 * opts.vocab * opts.hidden * dtype.itemsize / 1e9  # embeddings and LM head
+    kv_gb = 2 * opts.layers * max(1, opts.hidden // 512) * 64 * max(tokens) * dtype.itemsize / 1e9
     lines = [
         f"machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
         + f"{opts.threads} compute thread(s); load average {os.getloadavg()[0]:.1f} at the end",
-        f"model: random Llama, fp32, {opts.layers} layers x {layer_gb:.3f} GB + resident parts "
+        f"model: random Llama, {str(dtype).removeprefix('torch.')}, {opts.layers} layers x "
+        + f"{layer_gb:.3f} GB + resident parts "
         + f"{resident_gb:.2f} GB = {opts.layers * layer_gb + resident_gb:.2f} GB; "
         + f"buffers={opts.buffers}; one pass per row, each tier in a fresh process",
         "read = the tier's transfers alone (ssd: cold O_DIRECT reads; ram: memcpy into a slot), "
@@ -194,15 +217,17 @@ def report(opts: BenchConfig, tokens: list[int], runs: dict) -> str:
         f"ssd ran under RLIMIT_DATA = {opts.ram_limit_gb} GB; its RSS budget: resident "
         + f"{resident_gb:.2f} + {opts.buffers} x layer {layer_gb:.3f} + KV {kv_gb:.3f} GB "
         + f"+ {runs['ssd']['baseline_rss'] / 1e9:.2f} GB for Python, torch, transformers",
+        "int8 / int4 rows: the linear weights stored and moved quantized, dequantized as they "
+        + "land; moved x, pass x: against the same tier's float row",
     ]
     for n in tokens:
         lines += ["", f"tokens = {n}"]
         lines.append(
             f"{'tier':<9}{'pass s':>8}{'read s':>8}{'compute s':>10}{'overlap':>9}{'I/O eff':>9}"
-            + f"{'moved GB':>10}{'GB/s':>7}{'peak RSS GB':>13}"
+            + f"{'moved GB':>10}{'GB/s':>7}{'peak RSS GB':>13}{'moved x':>9}{'pass x':>8}"
         )
         compute = runs["resident"]["passes"][n]["pass_s"]
-        for tier in TIERS:
+        for tier in runs:
             row = runs[tier]["passes"][n]
             read, seconds = row["read_s"], row["pass_s"]
             cells = [f"{tier:<9}{seconds:8.2f}"]
@@ -213,7 +238,53 @@ def report(opts: BenchConfig, tokens: list[int], runs: dict) -> str:
                 cells.append(f"{read / seconds:9.2f}{row['moved'] / 1e9:10.2f}")
                 cells.append(f"{row['moved'] / seconds / 1e9:7.2f}")
             cells.append(f"{row['peak'] / 1e9:13.2f}")
+            if " " in tier:  # quantized: against the same tier's float row
+                float_row = runs[tier.split()[0]]["passes"][n]
+                cells.append(f"{row['moved'] / float_row['moved']:9.2f}")
+                cells.append(f"{seconds / float_row['pass_s']:8.2f}")
             lines.append("".join(cells))
+    return "\n".join(lines)
+
+
+# ---- quality: what int8 / int4 weights cost a real target ----
+
+
+def quality(target: str, windows: int, seq_len: int = 512, batch: int = 8) -> str:
+    """Held-out loss (nats/token) of `target` in float32 with its weights as they are, int8 and
+    int4, and each quantized model's top-1 agreement with the full one, on the held-out split
+    of train_pair.py: its held-out standard-library files as one token stream (EOS between
+    files), cut into consecutive windows of seq_len tokens (each predicts the next token)."""
+    import torch.nn.functional as F
+    from transformers import AutoTokenizer
+
+    import train_pair
+
+    root, _, held_out = train_pair.stdlib_files()
+    tokenizer = AutoTokenizer.from_pretrained(target)
+    stream = train_pair.token_stream(tokenizer, train_pair.read_texts(held_out))  # (n_tokens,)
+    n = min(windows, (len(stream) - 1) // seq_len)
+    inputs = stream[: n * seq_len].view(n, seq_len)  # (n, seq_len)
+    labels = stream[1 : n * seq_len + 1].view(n, seq_len)  # (n, seq_len): the next tokens
+    lines = [
+        f"{target}, float32 compute; held out: {len(held_out)} files of {root}, {n} windows "
+        + f"of {seq_len} tokens = {n * seq_len} predictions; {cpu_name()}",
+        f"{'weights':<10}{'loss nats/token':>16}{'top-1 agreement with full':>27}",
+    ]
+    full_top1 = None
+    for kind in (None, "int8", "int4"):
+        options = {"mode": "ram", "device": "cpu", "dtype": torch.float32, "quantize": kind}
+        loss, top1 = 0.0, []
+        with offload.from_pretrained(target, **options) as model:
+            for i in tqdm(range(0, n, batch), desc=f"quality: {kind or 'full'}"):
+                logits = model(inputs[i : i + batch], use_cache=False).logits  # (b, seq, vocab)
+                loss += F.cross_entropy(
+                    logits.flatten(0, 1), labels[i : i + batch].flatten(), reduction="sum"
+                ).item()
+                top1.append(logits.argmax(-1))  # (b, seq_len)
+        top1 = torch.cat(top1)  # (n, seq_len)
+        full_top1 = top1 if full_top1 is None else full_top1
+        agreement = (top1 == full_top1).float().mean().item()
+        lines.append(f"{kind or 'full':<10}{loss / labels.numel():16.4f}{agreement:27.4f}")
     return "\n".join(lines)
 
 
@@ -352,11 +423,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--vocab", type=int, default=d.vocab, help="vocabulary size")
     p.add_argument("--buffers", type=int, default=d.buffers, help="device buffers in the ring")
     p.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
-    p.add_argument("--dtype", default=d.dtype, help="the model's dtype on cuda")
+    p.add_argument("--dtype", default=d.dtype, help="model dtype (float16 cuda, float32 cpu)")
+    p.add_argument("--quantize", default=d.quantize, help="cpu: quantized rows, e.g. int8,int4")
     p.add_argument("--threads", type=int, default=d.threads, help="cpu compute threads")
     p.add_argument("--ram-limit-gb", type=float, default=d.ram_limit_gb, help="cpu ssd RLIMIT_DATA")
     p.add_argument("--folder", default=d.folder, help="keep the random checkpoint here")
-    print(bench(BenchConfig(**vars(p.parse_args(argv)))))
+    p.add_argument("--quality", default=d.quality, help="a model folder: held-out loss instead")
+    p.add_argument("--windows", type=int, default=d.windows, help="--quality: windows at most")
+    opts = BenchConfig(**vars(p.parse_args(argv)))
+    print(quality(opts.quality, opts.windows) if opts.quality else bench(opts))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ rotary embedding and KV cache stay on the device; each decoder layer is copied i
 | layer i+1 loads while i runs | `StreamedLayers.__iter__`: prefetch, wait, compute, release   |
 | the device's few operations  | `Cuda` (streams, events) and `Cpu`; tests add a fake one      |
 | cost of one target pass      | `PassStats`: bytes moved, waiting vs computing, GB/s          |
+| int8 / int4 weights          | quantize.py: its `Dequantizing` storage wraps either of them  |
 
 Storage (the bytes of each layer and where they are), state (which layer occupies which device
 slot) and config (the Hugging Face model: config, masks, rotary, the decoder layers' code) are
@@ -43,6 +44,7 @@ from tqdm import tqdm
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 import offload_files as files
+import quantize as quant
 from offload_files import OffloadError
 
 SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # config.model_type
@@ -51,7 +53,7 @@ SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # config.model_type
 PAGE = 4096
 
 
-# ---- the device: five operations, on CUDA streams or in order on the CPU ----
+# ---- the device: six operations, on CUDA streams or in order on the CPU ----
 
 
 def page_aligned(nbytes: int, device: torch.device) -> torch.Tensor:
@@ -82,6 +84,9 @@ class Cpu:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
+
+    def convert(self, fn, *args) -> None:  # device work on the copy stream, after its copies
+        fn(*args)
 
     def launch(self, fn, *args, **kwargs):
         return fn(*args, **kwargs)
@@ -130,6 +135,10 @@ class Cuda(Cpu):
         with torch.cuda.stream(self.copy_stream):
             dst.copy_(src, non_blocking=True)
 
+    def convert(self, fn, *args) -> None:
+        with torch.cuda.stream(self.copy_stream):
+            fn(*args)
+
     def close(self) -> None:
         self.copy_stream.synchronize()  # no copy may still read what is unregistered here
         for buffer in self.registered:
@@ -162,20 +171,36 @@ class Layout:
         return out
 
 
-def pack(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> Layout:
-    """Tensors end to end at aligned offsets: the layout of one RAM buffer."""
-    tensors, offset = {}, 0
-    for name, shape in shapes.items():
-        tensors[name] = TensorSpec(offset, dtype, shape)
-        offset += round_up(torch.Size(shape).numel() * dtype.itemsize)
-    return Layout(tensors, offset)
+def pack(tensors: dict[str, torch.Tensor]) -> Layout:
+    """Tensors (meta ones will do) end to end at aligned offsets: the layout of one RAM buffer."""
+    specs, offset = {}, 0
+    for name, tensor in tensors.items():
+        specs[name] = TensorSpec(offset, tensor.dtype, tuple(tensor.shape))
+        offset += round_up(tensor.nbytes)
+    return Layout(specs, offset)
 
 
 def round_up(nbytes: int) -> int:
     return -(-nbytes // PAGE) * PAGE
 
 
-class RamStorage:
+class Storage:
+    """Where layers' bytes live. `layouts[i]`: what a load of layer i moves into a slot."""
+
+    layouts: list[Layout]
+
+    def slot_nbytes(self) -> int:
+        return max(layout.nbytes for layout in self.layouts)
+
+    def views(self, layer: int, slot: torch.Tensor) -> dict[str, torch.Tensor]:
+        """What the decoder layer binds once `slot` holds it: its parameters."""
+        return self.layouts[layer].views(slot)
+
+    def close(self) -> None:
+        pass
+
+
+class RamStorage(Storage):
     """All layers in ONE host arena (pinned on CUDA), one region per layer: one copy moves it."""
 
     def __init__(self, layouts: list[Layout], buffers: list[torch.Tensor]):
@@ -184,9 +209,6 @@ class RamStorage:
 
     def load(self, layer: int, slot: torch.Tensor, ops) -> None:
         ops.copy(slot[: self.layouts[layer].nbytes], self.buffers[layer])
-
-    def close(self) -> None:
-        pass
 
 
 @dataclass
@@ -226,7 +248,7 @@ def plan_reads(entries: dict[str, files.Entry]) -> tuple[Layout, list[Read]]:
     return Layout(tensors, reads[-1].buffer_offset + round_up(reads[-1].nbytes)), reads
 
 
-class DiskStorage:
+class DiskStorage(Storage):
     """Layers stay in safetensors files; a layer is a few preads, through staging or direct.
 
     Where the device cannot read host memory, reads land in a few pinned staging chunks: while
@@ -285,7 +307,7 @@ class LayerRing:
 
     def __init__(self, storage, buffers: int, n_layers: int, ops):
         self.storage, self.ops = storage, ops
-        nbytes = max(layout.nbytes for layout in storage.layouts)
+        nbytes = storage.slot_nbytes()
         n_slots = max(1, min(buffers, n_layers))
         self.slots = [page_aligned(nbytes, ops.device) for _ in range(n_slots)]  # (nbytes,) each
         self.freed = [None] * len(self.slots)  # each slot's last release, an event on compute
@@ -410,7 +432,7 @@ class StreamedLayers:
             stats.wait_s += time.perf_counter() - waiting
             stats.load_s += load_s
             stats.bytes_moved += self.layouts[i].nbytes
-            bind(self.layers[i], self.layouts[i].views(slot))
+            bind(self.layers[i], ring.storage.views(i, slot))
 
             # compute: the Hugging Face decoder layer as it is, called by the model's forward
             yield partial(ring.ops.launch, self.layers[i])
@@ -481,6 +503,7 @@ def from_pretrained(
     dtype: torch.dtype | str | None = None,
     offload_dir: str | os.PathLike | None = None,
     buffers: int = 2,
+    quantize: str | None = None,
 ) -> OffloadedCausalLM:
     """An offloaded causal LM from a model folder or hub id of the Llama family.
 
@@ -488,13 +511,17 @@ def from_pretrained(
     (the checkpoint's own files when their dtype fits, else a per-layer copy made in offload_dir,
     announced on stderr and named by `model.converted_folder`). device None: cuda if available,
     else cpu; a `Cpu`/`Cuda`-like object runs on it (tests pass a fake one). dtype None: the dtype
-    stored in the checkpoint; "float16" and "torch.bfloat16" are read as torch dtypes. Every
-    error is an OffloadError with a one-line message.
+    stored in the checkpoint; "float16" and "torch.bfloat16" are read as torch dtypes. quantize
+    "int8" or "int4": decoder-layer linear weights are stored and moved quantized (quantize.py)
+    and dequantized into `dtype` on the device (ssd: always from a converted copy). Every error
+    is an OffloadError with a one-line message.
     """
     if mode not in ("ram", "ssd"):
         raise OffloadError(f"mode must be 'ram' or 'ssd', not {mode!r}")
     if buffers < 1:
         raise OffloadError(f"buffers must be at least 1, not {buffers}")
+    if quantize not in (None, *quant.KINDS):
+        raise OffloadError(f"quantize must be None, 'int8' or 'int4', not {quantize!r}")
     ops = device  # the device's operations: Cpu, Cuda, or a test's fake
     if not isinstance(device, Cpu):
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -537,14 +564,16 @@ def from_pretrained(
         hf.generation_config = generation
     hf.requires_grad_(False).eval()
 
-    converted = None
+    converted, n_layers = None, config.num_hidden_layers
     if mode == "ram":
-        storage = load_ram(ckpt, shapes, config.num_hidden_layers, dtype, ops)
+        storage = load_ram(ckpt, shapes, n_layers, dtype, quantize, ops)
     else:
         offload_dir = Path(offload_dir).expanduser() if offload_dir is not None else None
-        storage, converted = open_disk(
-            ckpt, shapes, config.num_hidden_layers, dtype, ops, offload_dir
-        )
+        storage, converted = open_disk(ckpt, shapes, n_layers, dtype, quantize, ops, offload_dir)
+    if quantize is not None:  # a slot also holds the layer's dequantized weights, laid out here
+        weights = {n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes.items()}
+        weights = pack({n: w for n, w in weights.items() if quant.is_weight(n)})
+        storage = quant.Dequantizing(storage, weights, quantize)
     model = OffloadedCausalLM(hf, storage, buffers, ops)
     model.converted_folder = converted
     return model
@@ -573,18 +602,19 @@ def check_dtype_runs(device: torch.device, dtype: torch.dtype) -> None:
         raise OffloadError(f"{device} cannot run {dtype} ({reason}); pass another dtype") from None
 
 
-def load_ram(ckpt: "files.Checkpoint", shapes: dict, n_layers: int, dtype, ops) -> RamStorage:
-    layout = pack(shapes, dtype)  # the same for every layer, a whole number of pages
+def load_ram(ckpt: "files.Checkpoint", shapes: dict, n_layers: int, dtype, kind, ops):
+    layout = pack(quant.stored_layer(shapes, dtype, kind))  # every layer's; whole pages
     arena = ops.host_buffer(n_layers * layout.nbytes)  # pinned on CUDA: copied without a bounce
     buffers = [arena[i * layout.nbytes : (i + 1) * layout.nbytes] for i in range(n_layers)]
     for i in tqdm(range(n_layers), desc="offload: loading layers into RAM"):
-        for name, view in layout.views(buffers[i]).items():
-            view.copy_(ckpt.tensor(f"model.layers.{i}.{name}", view.shape))  # converts the dtype
+        views = layout.views(buffers[i])
+        for name, tensor in quant.quantize_layer(ckpt.layer(i, shapes), dtype, kind).items():
+            views[name].copy_(tensor)
     return RamStorage([layout] * n_layers, buffers)
 
 
 def open_disk(
-    ckpt, shapes: dict, n_layers: int, dtype, ops, offload_dir
+    ckpt, shapes: dict, n_layers: int, dtype, kind, ops, offload_dir
 ) -> tuple[DiskStorage, Path | None]:
     """Storage on the checkpoint's files, or on a converted copy (then also its folder)."""
     layers = [
@@ -592,8 +622,9 @@ def open_disk(
     ]
     entries = [entry for layer in layers for entry in layer.values()]
     # the checkpoint's own files will do if their tensors have the dtype and can be viewed in place
-    if all(e and e.dtype == dtype and e.start % dtype.itemsize == 0 for e in entries):
+    fits = all(e and e.dtype == dtype and e.start % dtype.itemsize == 0 for e in entries)
+    if fits and kind is None:
         return DiskStorage(layers, ops), None
-    folder = files.convert(ckpt, shapes, n_layers, dtype, offload_dir)
+    folder = files.convert(ckpt, shapes, n_layers, dtype, offload_dir, kind)
     layer_files = [folder / f"layer_{i:03d}.safetensors" for i in range(n_layers)]
     return DiskStorage([files.read_header(path) for path in layer_files], ops), folder

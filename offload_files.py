@@ -79,6 +79,7 @@ def find_folder(name_or_path: str) -> Path:
 
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+DTYPES |= {"I8": torch.int8, "U8": torch.uint8}  # quantized levels (quantize.py)
 
 
 def read_header(path: Path) -> dict[str, Entry]:
@@ -173,25 +174,34 @@ class Checkpoint:
             pread_into(file.fileno(), found, entry.start, entry.path)
         return found.view(entry.dtype).view(entry.shape)
 
+    def layer(self, i: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        """Decoder layer i's tensors, by their names inside the layer, in their stored dtypes."""
+        return {name: self.tensor(f"model.layers.{i}.{name}", s) for name, s in shapes.items()}
+
     def fingerprint(self) -> str:
         """Changes when the checkpoint's files do: an older offload folder is then not reused."""
         stamps = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in self.shards]
         return hashlib.sha1(repr((str(self.folder.resolve()), stamps)).encode()).hexdigest()[:12]
 
 
-def convert(ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, offload_dir) -> Path:
-    """Write one safetensors file per layer, in `dtype`, once; later runs reuse the folder.
+def convert(ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, offload_dir, kind=None) -> Path:
+    """Write one safetensors file per layer, in `dtype` or quantized (kind "int8" or "int4", as
+    quantize.quantize_layer stores it), once; later runs reuse the folder.
 
     Every file is written under a temporary name, then renamed, and the manifest goes last: a
     folder left by a failed run (disk full, killed) is never taken for a finished one.
     """
     from safetensors.torch import save
 
+    import quantize  # here: quantize.py imports this module's OffloadError
+
     if offload_dir is None:
         raise OffloadError(f"{ckpt.folder} needs a one-time conversion for ssd; pass offload_dir")
     dtype_name = str(dtype).removeprefix("torch.")
-    folder = Path(offload_dir) / f"{ckpt.folder.name}-{ckpt.fingerprint()}-{dtype_name}"
+    label = f"{kind}-{dtype_name}" if kind else dtype_name  # int8-float16: int8 with fp16 scales
+    folder = Path(offload_dir) / f"{ckpt.folder.name}-{ckpt.fingerprint()}-{label}"
     manifest = {"source": str(ckpt.folder.resolve()), "dtype": dtype_name, "layers": n_layers}
+    manifest["quantize"] = kind
     done, files = (
         folder / "manifest.json",
         [folder / f"layer_{i:03d}.safetensors" for i in range(n_layers)],
@@ -201,19 +211,17 @@ def convert(ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, offload_dir) -
             return folder  # converted by an earlier run
     except (OSError, ValueError):
         pass
-    nbytes = n_layers * sum(torch.Size(shape).numel() for shape in shapes.values()) * dtype.itemsize
+    stored = quantize.stored_layer(shapes, dtype, kind)  # meta; fails now if it cannot be
+    nbytes = n_layers * sum(tensor.nbytes for tensor in stored.values())
     print(
-        f"offload: writing a {nbytes / 1e9:.2f} GB {dtype_name} per-layer copy of {ckpt.folder} "
+        f"offload: writing a {nbytes / 1e9:.2f} GB {label} per-layer copy of {ckpt.folder} "
         f"into {folder} (reused next time; delete it to free the space)",
         file=sys.stderr,
     )
     try:
         folder.mkdir(parents=True, exist_ok=True)
         for i in tqdm(range(n_layers), desc=f"offload: converting layers into {folder}"):
-            tensors = {
-                name: ckpt.tensor(f"model.layers.{i}.{name}", shape).to(dtype).contiguous()
-                for name, shape in shapes.items()
-            }
+            tensors = quantize.quantize_layer(ckpt.layer(i, shapes), dtype, kind)
             write_then_rename(files[i], save(tensors))
         write_then_rename(done, json.dumps(manifest).encode())
     except OSError as err:

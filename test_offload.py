@@ -34,6 +34,7 @@ from transformers import (
 
 import offload
 import offload_files
+import quantize
 
 torch.set_num_threads(1)  # tiny models; leave the other core alone
 
@@ -115,11 +116,12 @@ PARENTS = [-1, 0, 0, 1, 1, 2, 3]  # a small tree: root, two children, grandchild
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("mode", ["ram", "ssd"])
 @pytest.mark.parametrize("family", list(CONFIGS))
-def test_logits_match_in_memory_model(checkpoints, family, mode, attention, tmp_path):
+def test_logits_match_in_memory_model(checkpoints, family, mode, attention, tmp_path, kind=None):
     folder, oracle = checkpoints[family]
     oracle = copy.deepcopy(oracle)
     set_attention(oracle, attention)
-    with offload.from_pretrained(folder, mode=mode, device="cpu", offload_dir=tmp_path) as model:
+    options = {"mode": mode, "device": "cpu", "offload_dir": tmp_path, "quantize": kind}
+    with offload.from_pretrained(folder, **options) as model:
         set_attention(model, attention)
         assert model.dtype == torch.float32 and model.device == torch.device("cpu")
         caches = [DynamicCache(config=model.config), DynamicCache(config=oracle.config)]
@@ -396,6 +398,17 @@ class FakeDevice(offload.Cpu):
 
         self.streams["copy"].submit(run)
 
+    def convert(self, fn, *args) -> None:
+        """Dequantizing (fn(stored, weights, kind)) on the copy stream, into a slot's weights."""
+
+        def run():
+            self.delay()
+            slot = self.slot_of(next(iter(args[1].values())))
+            self.check(self.reading[slot] == 0, "dequantizing into a slot a layer computes on")
+            fn(*args)
+
+        self.streams["copy"].submit(run)
+
     def launch(self, layer, *args, **kwargs):
         """Run the layer on the compute stream; the host gets its output while the stream still
         "reads" the weights for a while, as kernels do after the host has moved on."""
@@ -430,7 +443,7 @@ class FakeDevice(offload.Cpu):
             stream.shutdown()
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=16, deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     family=st.sampled_from(["llama", "mistral"]),
@@ -438,13 +451,18 @@ class FakeDevice(offload.Cpu):
     buffers=st.integers(1, 3),
     staging=st.tuples(st.integers(1, 3), st.integers(1, 3)),  # chunks, pages each
     fail_at=st.sampled_from([None, 0, 1, 2]),
+    kind=st.sampled_from([None, "int8", "int4"]),  # quantized: dequantized on the copy stream
 )
-def test_ring_ordering_on_a_fake_device(checkpoints, seed, family, mode, buffers, staging, fail_at):
+def test_ring_ordering_on_a_fake_device(
+    checkpoints, quant_checkpoints, seed, family, mode, buffers, staging, fail_at, kind
+):
     """Copies, compute and staging kept apart by events alone; logits still equal the oracle's,
     also in the pass after one that a layer broke off with an exception."""
-    folder, oracle = checkpoints[family]
+    folder, oracle = (quant_checkpoints if kind else checkpoints)[family]
+    oracle = dequantized(oracle, kind)
     fake = FakeDevice(seed, (staging[0], staging[1] * offload.PAGE), oracle)
-    model = offload.from_pretrained(folder, mode=mode, device=fake, buffers=buffers)
+    options = {"mode": mode, "device": fake, "buffers": buffers, "quantize": kind}
+    model = offload.from_pretrained(folder, **options, offload_dir=f"{folder}-offloaded")
     fake.slots = model.ring.slots
     if fail_at is not None:  # the first pass breaks off in this layer
 
@@ -466,6 +484,155 @@ def test_ring_ordering_on_a_fake_device(checkpoints, seed, family, mode, buffers
     assert fake.errors == []
     if mode == "ram":  # the host blocked once per pass, at its end, never per layer
         assert fake.host_waits == 3
+
+
+# ---- quantized offloading (quantize.py): exact in its own terms ----
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    kind=st.sampled_from(quantize.KINDS),
+    dtype=st.sampled_from([torch.float64, torch.float32, torch.float16]),
+    rows=st.integers(1, 4),
+    groups=st.integers(1, 3),  # of 64 inputs
+    magnitude=st.sampled_from([1e-2, 1.0, 300.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_round_trip_error_is_at_most_half_a_scale(kind, dtype, rows, groups, magnitude, seed):
+    """|dequantize(quantize(w)) - w| <= scale / 2 per weight, and the levels span the range."""
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randn(rows, groups * 64, generator=generator, dtype=torch.float64) * magnitude
+    weight = weight.to(dtype)  # (rows, in)
+    weight[0, :64] = 0  # an all-zero group (for int8 with one group: an all-zero row)
+    levels, scale = quantize.quantize(weight, kind, dtype)
+    back = quantize.dequantize(levels, scale, kind)  # (rows, in)
+    size = 64 if kind == "int4" else weight.shape[1]  # inputs per scale
+    step = scale.reshape(rows, -1).repeat_interleave(size, dim=1).double()  # (rows, in)
+    slack = weight.double().abs() * torch.finfo(dtype).eps  # the dequantized weight's rounding
+    assert (
+        back.dtype == dtype and ((back.double() - weight.double()).abs() <= step / 2 + slack).all()
+    )
+    q = quantize.unpack_nibbles(levels).int() - 8 if kind == "int4" else levels.int()
+    largest = q.view(rows, -1, size).abs().amax(-1)  # (rows, groups): the scale is absmax / QMAX
+    nonzero = weight.view(rows, -1, size).abs().amax(-1) > 0
+    unclamped = scale.view(rows, -1) > torch.finfo(dtype).tiny
+    assert (largest[nonzero & unclamped] == quantize.QMAX[kind]).all()
+    assert (largest[~nonzero] == 0).all()
+
+
+@pytest.mark.parametrize("kind", quantize.KINDS)
+def test_quantize_as_a_plain_loop_does(kind):
+    """Scales, levels, the packing (input 2j low nibble, 2j + 1 high) and the dequantized
+    weights, against plain Python arithmetic (float64: the same IEEE divisions and products)."""
+    qmax, size = (7, 64) if kind == "int4" else (127, 128)
+    weight = torch.randn(3, 128, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    levels, scale = quantize.quantize(weight, kind, torch.float64)
+    rows = weight.tolist()
+    scales = [
+        [max(map(abs, row[g : g + size])) / qmax for g in range(0, 128, size)] for row in rows
+    ]
+    q = [
+        [max(-qmax, min(qmax, round(x / s[c // size]))) for c, x in enumerate(row)]
+        for row, s in zip(rows, scales)
+    ]
+    packed = [[(r[2 * j] + 8) | (r[2 * j + 1] + 8) << 4 for j in range(64)] for r in q]
+    assert scale.reshape(3, -1).tolist() == scales
+    assert levels.tolist() == (packed if kind == "int4" else q)
+    assert levels.dtype == (torch.uint8 if kind == "int4" else torch.int8)
+    weights = [[v * s[c // size] for c, v in enumerate(r)] for r, s in zip(q, scales)]
+    assert quantize.dequantize(levels, scale, kind).tolist() == weights
+
+
+def quant_config(family):
+    """The family's tiny config with every linear input a whole number of int4 groups (64)."""
+    config = CONFIGS[family]()
+    config.hidden_size, config.intermediate_size, config.head_dim = 64, 128, 16
+    return config
+
+
+@pytest.fixture(scope="module")
+def quant_checkpoints(tmp_path_factory):
+    """family -> (folder, in-memory model), float32, with int4-friendly shapes."""
+    out = {}
+    for family in CONFIGS:
+        folder = tmp_path_factory.mktemp(f"{family}-q")
+        out[family] = folder, save_model(folder, quant_config(family))
+    return out
+
+
+def dequantized(model, kind):
+    """The oracle of a quantized offload: the in-memory model with each decoder-layer linear
+    weight replaced by dequantize(quantize(weight)), in the model's own dtype."""
+    if kind is None:
+        return model
+    model = copy.deepcopy(model)
+    for name, weight in model.named_parameters():
+        if name.startswith("model.layers.") and quantize.is_weight(name):
+            weight.copy_(quantize.dequantize(*quantize.quantize(weight, kind, weight.dtype), kind))
+    return model
+
+
+@pytest.mark.parametrize("kind", quantize.KINDS)
+@pytest.mark.parametrize("mode", ["ram", "ssd"])
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_quantized_logits_match_dequantized_model(quant_checkpoints, family, mode, kind, tmp_path):
+    """The check above (prefill, tree-masked steps, kept cache), against the dequantized oracle."""
+    folder, model = quant_checkpoints[family]
+    oracle = {family: (folder, dequantized(model, kind))}
+    test_logits_match_in_memory_model(oracle, family, mode, "sdpa", tmp_path, kind=kind)
+
+
+def test_quantized_layers_move_fewer_bytes(quant_checkpoints, tmp_path, capsys):
+    """ssd + quantize converts once, into a folder and manifest that name the quantization;
+    a pass moves the quantized bytes: int4 < int8 < float32."""
+    import json
+
+    folder, _ = quant_checkpoints["llama"]
+    moved = {}
+    for kind in (None, "int8", "int4"):
+        for mode in ("ram", "ssd"):
+            options = {"mode": mode, "device": "cpu", "offload_dir": tmp_path, "quantize": kind}
+            with offload.from_pretrained(folder, **options) as model:
+                model(torch.randint(97, (1, 3)))
+                moved[mode, kind] = model.stats.bytes_moved
+                assert moved[mode, kind] == sum(layout.nbytes for layout in model.layouts)
+            if mode == "ssd" and kind:
+                assert model.converted_folder.name.endswith(f"-{kind}-float32")
+                manifest = json.loads((model.converted_folder / "manifest.json").read_text())
+                assert manifest["quantize"] == kind and manifest["dtype"] == "float32"
+                assert f"GB {kind}-float32 per-layer copy" in capsys.readouterr().err
+    for mode in ("ram", "ssd"):
+        assert moved[mode, "int4"] < moved[mode, "int8"] < moved[mode, None]
+    assert moved["ssd", "int8"] < 0.4 * moved["ssd", None]  # float32 -> int8 + scales
+
+
+def test_int4_needs_whole_groups(checkpoints):
+    folder, _ = checkpoints["llama"]  # hidden size 32: half a group
+    with pytest.raises(offload.OffloadError, match="q_proj.weight: int4 quantizes groups of 64"):
+        offload.from_pretrained(folder, device="cpu", quantize="int4")
+    with pytest.raises(offload.OffloadError, match="quantize must be None, 'int8' or 'int4'"):
+        offload.from_pretrained(folder, device="cpu", quantize="int3")
+
+
+@pytest.mark.parametrize("kind, mode", [("int8", "ram"), ("int4", "ssd")])
+def test_specexec_with_quantized_target_equals_its_greedy_decoding(tmp_path, kind, mode):
+    """float64, so that the tree pass and the one-token passes, which round differently,
+    cannot flip a near-tied argmax."""
+    import specexec
+
+    save_model(tmp_path / "target", quant_config("llama"), dtype=torch.float64)
+    torch.manual_seed(5)
+    draft = AutoModelForCausalLM.from_config(LlamaConfig(**{**SIZES, "num_hidden_layers": 1}))
+    draft = draft.to(torch.float64).eval()
+    prompt = torch.randint(97, (1, 6), generator=torch.Generator().manual_seed(4))
+    options = {"mode": mode, "device": "cpu", "offload_dir": tmp_path, "quantize": kind}
+    with offload.from_pretrained(tmp_path / "target", **options) as target:
+        assert target.dtype == torch.float64
+        expected, _ = specexec.autoregressive(target, prompt, max_new_tokens=16, eos_token_id=[])
+        tokens, _ = specexec.generate(
+            target, draft, prompt, max_new_tokens=16, budget=8, eos_token_id=[]
+        )
+    assert tokens == expected and len(tokens) == 16
 
 
 # ---- on a GPU: runs only where CUDA is available (not yet run: written on a CPU machine) ----
