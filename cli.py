@@ -105,6 +105,12 @@ def parse_args(argv=None):
     group.add_argument(
         "--offload-clean", action="store_true", help="delete that copy after the run"
     )
+    group.add_argument(
+        "--quantize",
+        choices=("int8", "int4"),
+        help="with --offload: store and move the target's linear weights in 8 or 4 bits, "
+        "dequantized on the device (ssd writes a quantized copy into --offload-dir once)",
+    )
     group = parser.add_argument_group("generation (defaults: specexec.Options)")
     for f in fields(Options):  # one source of defaults and help for the API and the CLI
         text = f.metadata["help"]
@@ -311,6 +317,7 @@ def load_offloaded(folder, args, device, dtype):
         device=device,
         dtype=dtype,
         offload_dir=args.offload_dir.expanduser(),
+        quantize=args.quantize,
     )
 
 
@@ -337,6 +344,8 @@ def run(args):
     device = pick_device(args.device)
     if args.offload_clean and args.offload != "ssd":
         raise SpecExecError("--offload-clean goes with --offload ssd (only ssd writes a copy)")
+    if args.quantize and not args.offload:
+        raise SpecExecError("--quantize goes with --offload (it quantizes the streamed layers)")
     if args.threads:
         torch.set_num_threads(args.threads)
     prompt = args.prompt if args.prompt is not None else default_prompt(args.prompt_index)
@@ -375,7 +384,8 @@ def pick_dtype(args, device, offload=None):
     With --offload ssd, the checkpoint's own everywhere: its files are read in place, not copied."""
     if args.dtype != "auto":
         return getattr(torch, args.dtype)
-    return torch.float32 if device.type == "cpu" and offload != "ssd" else None
+    in_place = offload == "ssd" and not args.quantize  # a quantized ssd target is a copy anyway
+    return torch.float32 if device.type == "cpu" and not in_place else None
 
 
 def generate_and_report(target, draft, tokenizer, input_ids, args, opts):

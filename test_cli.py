@@ -115,6 +115,8 @@ def test_bad_options_fail_in_one_line(tmp_path):
         ([*pair, "--temperature", "inf"], "inf is not a finite number"),
         ([*pair, "--threads", "0"], "0 is not a positive integer"),
         ([*pair, "--offload-clean"], "--offload-clean goes with --offload ssd"),
+        ([*pair, "--quantize", "int8"], "--quantize goes with --offload"),
+        ([*pair, "--offload", "ram", "--quantize", "int3"], "invalid choice: 'int3'"),
         (["--target", "nobody/no-such-model"], "HF_HUB_OFFLINE is set", offline),
         (["--target", "nobody/no-such-model"], "127.0.0.1 cannot be reached", no_hub),
     ]
@@ -357,10 +359,6 @@ def test_offload_dir_expands_home(tmp_path):
     assert not (HERE / "~").exists()
 
 
-@pytest.mark.skipif(
-    "converted_folder" not in (HERE / "offload.py").read_text(),
-    reason="needs OffloadedCausalLM.converted_folder (the offload helper's branch)",
-)
 @needs_pair
 def test_offload_clean_removes_the_copy_and_in_place_reads_write_none(tmp_path):
     ssd = ["--offload", "ssd", "--offload-dir", str(tmp_path), "--max-new-tokens", "4"]
@@ -371,3 +369,16 @@ def test_offload_clean_removes_the_copy_and_in_place_reads_write_none(tmp_path):
     assert not list(tmp_path.iterdir())
     in_place = cli_run(*ssd)  # auto: the checkpoint's own dtype, read in place
     assert in_place.returncode == 0 and not list(tmp_path.iterdir()), in_place.stderr
+
+
+@needs_pair
+def test_quantized_offloaded_target_decodes_as_itself(tmp_path):
+    """--quantize int4 streams 4-bit weights; SpecExec equals plain decoding of that same target."""
+    quantized = [
+        "--offload", "ssd", "--quantize", "int4", "--offload-dir", str(tmp_path),
+        "--max-new-tokens", "16", "--compare", "--offload-clean",
+    ]  # fmt: skip
+    result = cli_run(*quantized)
+    assert result.returncode == 0, result.stderr
+    assert "identical output" in result.stdout and "int4" in result.stderr
+    assert not list(tmp_path.iterdir())  # the quantized copy is gone again
