@@ -353,7 +353,7 @@ def save_plot(rows, path, title):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), dpi=80)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.4), dpi=80)
     for setting, colour in (("greedy", "C0"), ("sampled", "C1")):
         spec = [r for r in rows if r.setting == setting and r.budget]
         others = [r for r in rows if r.setting == setting and not r.budget]
@@ -370,9 +370,10 @@ def save_plot(rows, path, title):
         ax.set_xlabel("budget (draft nodes verified per pass)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[1].legend(fontsize=7, loc="best")
+    handles, labels = axes[1].get_legend_handles_labels()  # one legend, below both panels
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7, frameon=False)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.13, 1, 1))
     fig.savefig(path)
     plt.close(fig)
 

@@ -252,7 +252,10 @@ def check_vocab(tokenizer, config, folder):
 def default_prompt(index):
     import json
 
-    prompts = json.loads((HERE / "models" / "prompts.json").read_text())
+    path = HERE / "models" / "prompts.json"
+    if not path.is_file():  # installed with `pip install .`: models/ stays in the clone
+        raise SpecExecError(f"no default prompts at {path}: pass --prompt (or run from a clone)")
+    prompts = json.loads(path.read_text())
     if not 0 <= index < len(prompts):
         raise SpecExecError(
             f"--prompt-index {index}: models/prompts.json has 0..{len(prompts) - 1}"
@@ -285,6 +288,7 @@ def load_model(folder, device, dtype):
 
     from offload_files import Checkpoint
 
+    folder = Path(folder)
     Checkpoint(folder)  # damaged or missing shards: the same clear errors as with --offload
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
@@ -348,7 +352,6 @@ def run(args):
         raise SpecExecError("--quantize goes with --offload (it quantizes the streamed layers)")
     if args.threads:
         torch.set_num_threads(args.threads)
-    prompt = args.prompt if args.prompt is not None else default_prompt(args.prompt_index)
     if not args.verbose:  # no per-tensor progress bars and load reports
         from transformers.utils import logging
 
@@ -356,6 +359,12 @@ def run(args):
         logging.set_verbosity_error()
 
     # Everything is checked before any weight is read.
+    if not (args.target and args.draft) and not (HERE / "models" / "target").is_dir():
+        raise SpecExecError(
+            f"the default pair lives in a clone's models/, not beside {HERE}: pass --target and "
+            "--draft (a hub id or a folder), or install the clone with `pip install -e .`"
+        )
+    prompt = args.prompt if args.prompt is not None else default_prompt(args.prompt_index)
     target_dir = find_model(args.target or str(HERE / "models" / "target"))
     draft_dir = find_model(args.draft or str(HERE / "models" / "draft"))
     target_config, draft_config = load_config(target_dir), load_config(draft_dir)

@@ -41,7 +41,7 @@ from typing import NamedTuple, Self
 import torch
 from torch import nn
 from tqdm import tqdm
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers import AutoModelForCausalLM
 
 import offload_files as files
 import quantize as quant
@@ -234,12 +234,9 @@ def plan_reads(entries: dict[str, files.Entry]) -> tuple[Layout, list[Read]]:
     tensors, reads = {}, []
     for name, entry in sorted(entries.items(), key=lambda item: (str(item[1].path), item[1].start)):
         last = reads[-1] if reads else None
-        if (
-            last is None
-            or last.path != entry.path
-            or entry.start > last.file_offset + round_up(last.nbytes)
-        ):
-            end = last.buffer_offset + round_up(last.nbytes) if last else 0
+        covered = last.file_offset + round_up(last.nbytes) if last else 0  # the range's file end
+        if not (last and last.path == entry.path and entry.start <= covered):  # a new range
+            end = last.buffer_offset + round_up(last.nbytes) if last else 0  # its buffer end
             last = Read(entry.path, entry.start // PAGE * PAGE, 0, end)
             reads.append(last)
         last.nbytes = entry.end - last.file_offset
@@ -529,20 +526,14 @@ def from_pretrained(
             raise OffloadError(f"offload runs on cpu or an available cuda device, not {device}")
         ops = Cuda(device) if device.type == "cuda" else Cpu()
     folder = files.find_folder(str(name_or_path))
-    try:
-        config = AutoConfig.from_pretrained(folder)
-        generation = None  # eos ids etc., where the folder has them, as from_pretrained reads
-        if (folder / "generation_config.json").is_file():
-            generation = GenerationConfig.from_pretrained(folder)
-    except (OSError, ValueError, KeyError) as err:
-        raise OffloadError(f"{folder}: cannot load its config ({files.first_line(err)})") from None
+    config, generation = files.load_configs(folder)
     if config.model_type not in SUPPORTED_FAMILIES:
         raise OffloadError(
             f"model family {config.model_type!r} is not supported; supported: "
             f"{', '.join(SUPPORTED_FAMILIES)} (Llama, Mistral, Qwen2/3, SmolLM, TinyLlama)"
         )
     ckpt = files.Checkpoint(folder)
-    dtype = as_dtype(dtype) or ckpt.spec("model.layers.0.self_attn.q_proj.weight")[0]
+    dtype = files.as_dtype(dtype) or ckpt.spec("model.layers.0.self_attn.q_proj.weight")[0]
     check_dtype_runs(ops.device, dtype)
 
     # the skeleton on meta costs nothing; only the parts that stay on the device get real tensors
@@ -577,16 +568,6 @@ def from_pretrained(
     model = OffloadedCausalLM(hf, storage, buffers, ops)
     model.converted_folder = converted
     return model
-
-
-def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """A torch dtype from itself or its name ("float16", "torch.bfloat16")."""
-    if not isinstance(dtype, str):
-        return dtype
-    found = getattr(torch, dtype.removeprefix("torch."), None)
-    if not isinstance(found, torch.dtype):
-        raise OffloadError(f"dtype {dtype!r} is no torch dtype; try 'float16' or 'bfloat16'")
-    return found
 
 
 def check_dtype_runs(device: torch.device, dtype: torch.dtype) -> None:

@@ -78,6 +78,30 @@ def find_folder(name_or_path: str) -> Path:
     return folder
 
 
+def load_configs(folder: Path):
+    """The model's config, and its generation config (eos ids etc.) where the folder has one."""
+    from transformers import AutoConfig, GenerationConfig
+
+    try:
+        config = AutoConfig.from_pretrained(folder)
+        generation = None
+        if (folder / "generation_config.json").is_file():
+            generation = GenerationConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as err:
+        raise OffloadError(f"{folder}: cannot load its config ({first_line(err)})") from None
+    return config, generation
+
+
+def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A torch dtype from itself or its name ("float16", "torch.bfloat16")."""
+    if not isinstance(dtype, str):
+        return dtype
+    found = getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype):
+        raise OffloadError(f"dtype {dtype!r} is no torch dtype; try 'float16' or 'bfloat16'")
+    return found
+
+
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 DTYPES |= {"I8": torch.int8, "U8": torch.uint8}  # quantized levels (quantize.py)
 

@@ -382,3 +382,21 @@ def test_quantized_offloaded_target_decodes_as_itself(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "identical output" in result.stdout and "int4" in result.stderr
     assert not list(tmp_path.iterdir())  # the quantized copy is gone again
+
+
+def test_installed_without_the_clone_says_where_the_default_pair_is(tmp_path):
+    """`pip install .` puts the modules in site-packages; models/ stays in the clone."""
+    for module in ("specexec.py", "cli.py", "offload.py", "offload_files.py", "quantize.py"):
+        shutil.copy(HERE / module, tmp_path / module)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = lambda *argv: subprocess.run(  # noqa: E731
+        [sys.executable, str(tmp_path / "specexec.py"), *argv],
+        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    no_pair, no_prompt = (
+        run(),
+        run("--target", str(PAIR / "target"), "--draft", str(PAIR / "draft")),
+    )
+    assert no_pair.returncode == 2 and no_pair.stderr.count("\n") == 1
+    assert "the default pair lives in a clone's models/" in no_pair.stderr
+    assert no_prompt.returncode == 2 and "pass --prompt" in no_prompt.stderr
