@@ -20,7 +20,6 @@ import torch
 from specexec import Options, SpecExecError, autoregressive, check_prompt, context_length, generate
 
 HERE = Path(__file__).resolve().parent
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # decoder-only, take a 4D float mask
 DIM, RESET = "\033[2m", "\033[0m"
 
 
@@ -206,18 +205,10 @@ def one_line(error):
 
 
 def load_config(folder):
-    from transformers import AutoConfig
+    """Its config; a damaged one or an unsupported family is one OffloadError line."""
+    from offload_files import load_configs
 
-    try:
-        config = AutoConfig.from_pretrained(folder)
-    except (OSError, ValueError) as error:
-        raise SpecExecError(f"{folder}: cannot load its config ({one_line(error)})") from None
-    if config.model_type not in SUPPORTED_FAMILIES:
-        raise SpecExecError(
-            f"{folder}: model family '{config.model_type}' is not supported; "
-            f"supported: {', '.join(SUPPORTED_FAMILIES)}"
-        )
-    return config
+    return load_configs(folder)[0]
 
 
 def load_tokenizer(folder):

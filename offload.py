@@ -47,7 +47,6 @@ import offload_files as files
 import quantize as quant
 from offload_files import OffloadError
 
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")  # config.model_type
 # Layer buffers and the ranges read into them start on page boundaries: any dtype can view the
 # bytes there, and O_DIRECT reads (whole, aligned pages) can land there.
 PAGE = 4096
@@ -526,12 +525,7 @@ def from_pretrained(
             raise OffloadError(f"offload runs on cpu or an available cuda device, not {device}")
         ops = Cuda(device) if device.type == "cuda" else Cpu()
     folder = files.find_folder(str(name_or_path))
-    config, generation = files.load_configs(folder)
-    if config.model_type not in SUPPORTED_FAMILIES:
-        raise OffloadError(
-            f"model family {config.model_type!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_FAMILIES)} (Llama, Mistral, Qwen2/3, SmolLM, TinyLlama)"
-        )
+    config, generation = files.load_configs(folder)  # refuses unsupported families
     ckpt = files.Checkpoint(folder)
     dtype = files.as_dtype(dtype) or ckpt.spec("model.layers.0.self_attn.q_proj.weight")[0]
     check_dtype_runs(ops.device, dtype)

@@ -78,8 +78,14 @@ def find_folder(name_or_path: str) -> Path:
     return folder
 
 
+# Decoder-only families whose Hugging Face models take a 4D float mask as given (config.model_type).
+SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
 def load_configs(folder: Path):
-    """The model's config, and its generation config (eos ids etc.) where the folder has one."""
+    """The model's config, and its generation config (eos ids etc.) where the folder has one.
+
+    The one place that decides which families are supported, for the CLI and the offloader."""
     from transformers import AutoConfig, GenerationConfig
 
     try:
@@ -89,6 +95,11 @@ def load_configs(folder: Path):
             generation = GenerationConfig.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as err:
         raise OffloadError(f"{folder}: cannot load its config ({first_line(err)})") from None
+    if config.model_type not in SUPPORTED_FAMILIES:
+        raise OffloadError(
+            f"{folder}: model family {config.model_type!r} is not supported; supported: "
+            f"{', '.join(SUPPORTED_FAMILIES)} (Llama, Mistral, Qwen2/3, SmolLM, TinyLlama)"
+        )
     return config, generation
 
 
