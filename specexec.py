@@ -271,17 +271,16 @@ def tree_mask(parents, n_cached, dtype, device):
     n = len(parents)
     parent = torch.tensor(parents, dtype=torch.long)  # (n,)
     sees = torch.eye(n, dtype=torch.bool)  # (n, n): sees[i, j] = j is i or an ancestor of i
+    depth = torch.zeros(n, dtype=torch.long)  # (n,): how many of the new tokens are ancestors
     # Walk every token up its chain of ancestors at once; the walk ends at the tree's depth.
     node = parent.clone()  # (n,): the ancestor each token reached so far
-    rows = torch.arange(n)
-    while (node >= 0).any():
-        up = node >= 0
-        sees[rows[up], node[up]] = True
-        node[up] = parent[node[up]]
-    depth = sees.sum(-1) - 1  # (n,)
-    mask = torch.full((n, n_cached + n), torch.finfo(dtype).min, dtype=dtype)  # (n, n_cached + n)
-    mask[:, :n_cached] = 0.0
-    mask[:, n_cached:].masked_fill_(sees, 0.0)
+    while (climbing := (node >= 0).nonzero()[:, 0]).numel():  # (n_climbing,)
+        sees[climbing, node[climbing]] = True
+        depth[climbing] += 1
+        node[climbing] = parent[node[climbing]]
+    blocked = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype)  # (n, n)
+    cached = torch.zeros(n, n_cached, dtype=dtype)  # (n, n_cached): the cache is all visible
+    mask = torch.cat([cached, blocked.masked_fill_(sees, 0.0)], -1)  # (n, n_cached + n)
     positions = (n_cached + depth)[None]  # (1, n)
     return mask[None, None].to(device), positions.to(device)
 
@@ -322,14 +321,17 @@ class DraftTree:
     tokens: list  # token of each node
     parents: list  # parent node of each node; -1 for the root
     cum_logprob: list  # draft log-probability of the path from the root (root: 0)
+    budget: int  # how many nodes (besides the root) the target will verify
+    candidates: list = field(default_factory=list)  # heap of keys: found, not yet fed, best first
+    best_so_far: list = field(default_factory=list)  # heap: the `budget` best nodes, worst first
     fed: list = field(default_factory=list)  # nodes (not the root) in the draft's cache, in order
 
     def key(self, node):
         """Best first: higher cum_logprob; on a tie the earlier node, so parents come first."""
         return (-self.cum_logprob[node], node)
 
-    def add_children(self, nodes, logprobs, branch, heap):
-        """Add each node's `branch` most probable children; push them as candidates.
+    def add_children(self, nodes, logprobs, branch):
+        """Add each node's `branch` most probable children, as candidates and to `best_so_far`.
 
         logprobs: (len(nodes), vocab), the draft's next-token log-probabilities at each node.
         """
@@ -340,24 +342,28 @@ class DraftTree:
                 self.tokens.append(token)
                 self.parents.append(node)
                 self.cum_logprob.append(self.cum_logprob[node] + logprob)
-                heapq.heappush(heap, self.key(child))
+                heapq.heappush(self.candidates, self.key(child))
+                # `best_so_far` is ordered by the negated key, so its top is the worst of them;
+                # once full, a newcomer pushes out the worst (or itself, if it is worse).
+                negated = (self.cum_logprob[child], -child)
+                if len(self.best_so_far) < self.budget:
+                    heapq.heappush(self.best_so_far, negated)
+                else:
+                    heapq.heappushpop(self.best_so_far, negated)
 
-    def best_keys(self, budget):
-        """Keys (as `key` makes them) of the `budget` best nodes except the root, best first.
+    def worst_kept(self):
+        """The key of the worst of the `budget` best nodes, and whether there are `budget`."""
+        logprob, negated_node = self.best_so_far[0]
+        return (-logprob, -negated_node), len(self.best_so_far) == self.budget
 
-        Built from the lists directly: no Python call per node, as this runs every pass.
-        """
-        negated = (-logprob for logprob in self.cum_logprob[1:])
-        return heapq.nsmallest(budget, zip(negated, range(1, len(self.tokens))))
-
-    def best(self, budget):
+    def best(self):
         """The `budget` most probable nodes except the root, parents before children.
 
         This set is always a tree (closed under ancestors): a child's path is its parent's
         path times one more probability <= 1, so the child never ranks above its parent,
         and ties go to the earlier node, which the parent is.
         """
-        return sorted(node for _, node in self.best_keys(budget))
+        return sorted(-negated_node for _, negated_node in self.best_so_far)
 
     def local_parents(self, nodes):
         """Each node's parent as an index into `nodes` (-1: the root), as `tree_mask` takes them.
@@ -383,22 +389,22 @@ def grow_tree(draft, cache, seq, opts, stats, limit):
         raise SpecExecError(f"the target chose token id {max(trunk)}, which the draft lacks")
     logits = tree_forward(draft, cache, trunk, chain(len(trunk)))  # (len(trunk), vocab)
     stats.draft_passes += 1
-    tree = DraftTree(tokens=[seq[-1]], parents=[-1], cum_logprob=[0.0])
-    heap = []  # keys of candidates, best first
+    tree = DraftTree(tokens=[seq[-1]], parents=[-1], cum_logprob=[0.0], budget=opts.budget)
     sharpness = opts.tree_temperature()
     logprobs = torch.log_softmax(logits[-1:].float() / sharpness, -1)  # (1, vocab)
-    tree.add_children([0], logprobs, opts.branch, heap)
+    tree.add_children([0], logprobs, opts.branch)
 
     # Tree nodes at depth d sit at position len(seq) - 1 + d, which must fit the context.
     for _ in range(min(opts.max_depth, limit - len(seq)) - 1):
         # A candidate outside today's best `budget` nodes can never enter it (the set only
         # gets better), nor can its descendants, so expanding it is wasted work. Once the set
         # is full, neither is expanding its worst node: its children would rank below it.
-        kept_keys = tree.best_keys(opts.budget)
-        worst_kept, full = kept_keys[-1], len(kept_keys) == opts.budget
+        worst_kept, full = tree.worst_kept()
         batch = []
-        while heap and len(batch) < opts.width and (heap[0] < worst_kept or not full):
-            batch.append(heapq.heappop(heap)[1])
+        while tree.candidates and len(batch) < opts.width:
+            if full and tree.candidates[0] >= worst_kept:
+                break
+            batch.append(heapq.heappop(tree.candidates)[1])
         if not batch:
             break
         parents = tree.local_parents(tree.fed + batch)  # the fed nodes are in the cache
@@ -406,7 +412,7 @@ def grow_tree(draft, cache, seq, opts, stats, limit):
         stats.draft_passes += 1
         tree.fed += batch
         logprobs = torch.log_softmax(logits.float() / sharpness, -1)  # (len(batch), vocab)
-        tree.add_children(batch, logprobs, opts.branch, heap)
+        tree.add_children(batch, logprobs, opts.branch)
     return tree
 
 
@@ -462,7 +468,7 @@ def speculative_step(target, draft, target_cache, draft_cache, seq, opts, rng, s
     """One SpecExec step: draft tree, one target pass, acceptance, cache update; new tokens."""
     with timer(stats, "time_draft", draft.device):
         tree = grow_tree(draft, draft_cache, seq, opts, stats, limit)
-        kept = tree.best(opts.budget)
+        kept = tree.best()
     with timer(stats, "time_target", target.device):
         logits = verify(target, target_cache, seq, tree, kept)  # (1 + len(kept), vocab)
         path, bonus = accept(tree, kept, logits, opts, rng)

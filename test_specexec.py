@@ -144,7 +144,7 @@ def test_tree_is_best_budget_nodes_closed_under_ancestors(
     stats = specexec.Stats()
     with torch.no_grad():
         tree = specexec.grow_tree(draft, DynamicCache(), prompt, opts, stats, limit=128)
-    kept = tree.best(budget)
+    kept = tree.best()
     dropped = set(range(1, len(tree.tokens))) - set(kept)
     assert len(kept) <= budget
     assert stats.draft_passes <= max_depth
