@@ -169,9 +169,8 @@ def timer(stats, name, device):
 
 
 def context_length(config):
-    """Positions the model can use. Within a sliding window, full attention is exact."""
-    window = getattr(config, "sliding_window", None)
-    return min(config.max_position_embeddings, window or config.max_position_embeddings)
+    """Positions the model can use."""
+    return config.max_position_embeddings
 
 
 def check_same_vocab_size(target, draft):
@@ -257,12 +256,13 @@ def choose(logits, opts, rng):
 # ---- tree attention mask ----
 
 
-def tree_mask(parents, n_cached, dtype, device):
+def tree_mask(parents, n_cached, dtype, device, window=None):
     """Additive attention mask and position ids for `len(parents)` new tokens.
 
     parents[i] < i is the index of token i's parent among the new tokens, or -1 when its
     parent is the last cached token. Token i may look at the whole cache, its ancestors and
     itself. A causal mask is the tree mask of a chain: parents = [-1, 0, 1, 2, ...].
+    With a sliding `window`, it may also look no further back than `window - 1` positions.
     Returns mask (1, 1, n, n_cached + n): 0 = may look, finfo.min = may not; and position
     ids (1, n) = n_cached + depth (the number of new ancestors). The mask must be an
     additive float: Hugging Face passes a 4D mask through untouched, and a boolean one
@@ -281,8 +281,12 @@ def tree_mask(parents, n_cached, dtype, device):
     blocked = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype)  # (n, n)
     cached = torch.zeros(n, n_cached, dtype=dtype)  # (n, n_cached): the cache is all visible
     mask = torch.cat([cached, blocked.masked_fill_(sees, 0.0)], -1)  # (n, n_cached + n)
-    positions = (n_cached + depth)[None]  # (1, n)
-    return mask[None, None].to(device), positions.to(device)
+    positions = n_cached + depth  # (n,)
+    if window is not None:
+        key_positions = torch.cat([torch.arange(n_cached), positions])  # (n_cached + n,)
+        too_far = positions[:, None] - key_positions[None, :] >= window  # (n, n_cached + n)
+        mask.masked_fill_(too_far, torch.finfo(dtype).min)
+    return mask[None, None].to(device), positions[None].to(device)
 
 
 def chain(n):
@@ -300,10 +304,16 @@ def tree_forward(model, cache, tokens, parents):
     n_old = len(parents) - len(tokens)  # tree nodes already in the cache
     n_prefix = cache.get_seq_length() - n_old
     mask, positions = tree_mask(parents, n_prefix, model.dtype, model.device)
+    mask = mask[:, :, n_old:]  # (1, 1, n, n_prefix + n_old + n): the new rows
+    window = getattr(model.config, "sliding_window", None)
+    if window is not None:  # some layers (Qwen2's `layer_types`) or all (Mistral) slide
+        sliding = tree_mask(parents, n_prefix, model.dtype, model.device, window)[0][:, :, n_old:]
+        kinds = getattr(model.config, "layer_types", None)
+        mask = {"full_attention": mask, "sliding_attention": sliding} if kinds else sliding
     input_ids = torch.tensor([tokens], dtype=torch.long, device=model.device)  # (1, n)
     out = model(
         input_ids=input_ids,
-        attention_mask=mask[:, :, n_old:],  # (1, 1, n, n_prefix + n_old + n): the new rows
+        attention_mask=mask,
         position_ids=positions[:, n_old:],  # (1, n)
         past_key_values=cache,
         use_cache=True,

@@ -847,7 +847,7 @@ def test_real_shapes_generate_with_offloaded_target(real_checkpoints, name):
     """SpecExec emits the same tokens with the target offloaded as with it in memory.
 
     Both runs make the same passes with the same kernels, so even float32 cannot tell them apart.
-    Sliding-window shapes stop at their window (24) on both sides.
+    Prompt and output (36 tokens) pass the sliding-window shapes' window (24).
     """
     import specexec
     from test_specexec import cut_draft
@@ -855,8 +855,8 @@ def test_real_shapes_generate_with_offloaded_target(real_checkpoints, name):
     folder, oracle = real_checkpoints[name]
     draft = cut_draft(name, dtype=torch.float32)
     prompt = torch.randint(97, (1, 6), generator=torch.Generator().manual_seed(4))
-    options = dict(max_new_tokens=24, budget=16, eos_token_id=[])  # run to the limit
+    options = dict(max_new_tokens=30, budget=16, eos_token_id=[])  # run to the limit
     expected, _ = specexec.generate(oracle, draft, prompt, **options)
     with offload.from_pretrained(folder, mode="ram", device="cpu") as target:
         tokens, _ = specexec.generate(target, draft, prompt, **options)
-    assert tokens == expected and len(tokens) == min(24, specexec.context_length(oracle.config) - 6)
+    assert tokens == expected and len(tokens) == 30

@@ -638,11 +638,11 @@ def test_real_shapes_keep_their_options():
     assert real_model("qwen2.5").model.layers[0].self_attn.q_proj.bias.abs().sum() > 0
     qwen3 = real_model("qwen3").model.layers[0].self_attn
     assert qwen3.q_norm.weight.shape == (16,) and qwen3.q_proj.out_features == 4 * 16 != 32
-    # the context SpecExec may use: capped by a window only where one is in use
-    assert specexec.context_length(real_model("qwen2.5").config) == 128
-    assert specexec.context_length(real_model("mistral-v0.1").config) == 24
+    # windows: all layers slide (Mistral) or some (Qwen2's layer_types); none caps the context
+    assert real_model("mistral-v0.1").config.sliding_window == 24
     assert real_model("qwen2-sliding").config.layer_types == ["full_attention", "sliding_attention"]
-    assert specexec.context_length(real_model("qwen2-sliding").config) == 24
+    for name in REAL_SHAPES:
+        assert specexec.context_length(real_model(name).config) == 128
 
 
 @pytest.mark.parametrize("name", REAL_SHAPES)
@@ -661,33 +661,53 @@ def test_real_shapes_greedy_equals_target_and_hugging_face(
     target = real_model(name)
     draft = cut_draft(name) if cut else target  # the target as its own draft: long paths
     with torch.no_grad():
-        expected, _ = specexec.autoregressive(target, prompt, max_new_tokens=max_new_tokens)
+        expected, _ = specexec.autoregressive(
+            target, prompt, max_new_tokens=max_new_tokens, eos_token_id=[]
+        )
         tokens, _ = specexec.generate(
-            target, draft, prompt, max_new_tokens=max_new_tokens,
+            target, draft, prompt, max_new_tokens=max_new_tokens, eos_token_id=[],
             budget=budget, max_depth=max_depth, width=width,
         )  # fmt: skip
     assert tokens == expected
-    # stopped by the token limit, or by a sliding window (see the next test)
-    room = specexec.context_length(target.config) - len(prompt)
-    assert len(tokens) == min(max_new_tokens, room)
+    assert len(tokens) == max_new_tokens  # prompt + output may pass a sliding window (24)
     assert hugging_face_greedy(target, prompt, max_new_tokens)[: len(tokens)] == tokens
 
 
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("cut", [False, True])
 @pytest.mark.parametrize("name", ["mistral-v0.1", "qwen2-sliding"])
-def test_sliding_window_run_stops_at_the_window_and_matches_up_to_there(name):
-    """Up to the window, sliding-window attention is full attention: SpecExec stops there.
+def test_sliding_window_runs_past_the_window_exactly(name, cut, attention):
+    """Past its window a sliding layer sees only the last `window` positions; so do the trees.
 
-    Its tree mask lets every node see the whole cache, so past the window it would differ
-    from the model; the context is therefore capped at the window (specexec.context_length).
+    tree_forward hands such layers a second tree mask that also blocks keys `window` or more
+    positions back (a dict by layer type for Qwen2, one mask for Mistral, where all slide).
+    Oracles: greedy decoding, and Hugging Face's generate, whose config-built cache keeps
+    only the window and whose masks are its own.
     """
-    target = real_model(name)
+    target = copy.deepcopy(real_model(name))
+    target.set_attn_implementation(attention)
+    draft = cut_draft(name) if cut else target  # the target as its own draft: long paths
     prompt = list(range(10, 20))
     with torch.no_grad():
-        tokens, stats = specexec.generate(target, target, prompt, max_new_tokens=100, budget=32)
-        expected, _ = specexec.autoregressive(target, prompt, max_new_tokens=100)
-    assert len(prompt) + len(tokens) == target.config.sliding_window == 24
-    assert tokens == expected and stats.tokens_per_step > 2
-    assert hugging_face_greedy(target, prompt, 30)[: len(tokens)] == tokens
+        options = dict(max_new_tokens=50, eos_token_id=[])
+        tokens, stats = specexec.generate(target, draft, prompt, budget=32, **options)
+        expected, _ = specexec.autoregressive(target, prompt, **options)
+    assert len(prompt) + len(tokens) == 60 > 2 * target.config.sliding_window
+    assert tokens == expected == hugging_face_greedy(target, prompt, 50)
+    assert stats.tokens_per_step > (1.5 if cut else 4)
+
+
+def test_tree_mask_window_blocks_keys_too_far_back():
+    """Oracle: a key is visible iff causal-and-ancestor visible AND under `window` positions back."""
+    parents, n_cached, window = [-1, 0, 0, 1, 3, -1], 5, 3
+    full, positions = specexec.tree_mask(parents, n_cached, torch.float64, "cpu")
+    sliding, _ = specexec.tree_mask(parents, n_cached, torch.float64, "cpu", window)
+    key_positions = list(range(n_cached)) + positions[0].tolist()
+    for i, query in enumerate(positions[0].tolist()):
+        for j, key in enumerate(key_positions):
+            visible = full[0, 0, i, j] == 0 and query - key < window
+            assert (sliding[0, 0, i, j] == 0) == visible, (i, j)
+    assert positions[0].tolist() == [5, 6, 6, 7, 8, 5]
 
 
 def test_sliding_layers_of_a_config_built_cache_drop_old_entries():
@@ -720,7 +740,7 @@ def test_real_shapes_kept_caches_equal_a_fresh_forward(name):
     target_cache, draft_cache = DynamicCache(), DynamicCache()
     seq, stats, rng = [9, 8, 7, 6], specexec.Stats(), torch.Generator().manual_seed(0)
     with torch.no_grad():
-        while len(seq) + opts.max_depth + 1 <= limit and stats.steps < 6:  # within a window
+        while len(seq) + opts.max_depth + 1 <= limit and stats.steps < 8:  # past windows (24)
             seq += specexec.speculative_step(
                 target, draft, target_cache, draft_cache, seq, opts, rng, stats, limit
             )
