@@ -698,7 +698,7 @@ def test_sliding_window_runs_past_the_window_exactly(name, cut, attention):
 
 
 def test_tree_mask_window_blocks_keys_too_far_back():
-    """Oracle: a key is visible iff causal-and-ancestor visible AND under `window` positions back."""
+    """Oracle: a key is visible iff the tree mask shows it and it is < `window` positions back."""
     parents, n_cached, window = [-1, 0, 0, 1, 3, -1], 5, 3
     full, positions = specexec.tree_mask(parents, n_cached, torch.float64, "cpu")
     sliding, _ = specexec.tree_mask(parents, n_cached, torch.float64, "cpu", window)

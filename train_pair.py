@@ -48,15 +48,18 @@ class TrainConfig:
     vocab_size: int = option(4096, "BPE tokenizer vocabulary size")
     seq_len: int = option(512, "training window, and the models' context length")
     batch_size: int = option(8, "windows per optimizer step")
-    target_steps: int = option(600, "optimizer steps for the target")
-    draft_steps: int = option(400, "optimizer steps for the draft")
-    target_lr: float = option(2e-3, "peak learning rate of the target")
+    target_steps: int = option(1600, "optimizer steps for the target")
+    draft_steps: int = option(800, "optimizer steps for the draft")
+    target_lr: float = option(3e-3, "peak learning rate of the target")
     draft_lr: float = option(3e-3, "peak learning rate of the draft")
     distill_weight: float = option(0.9, "w in draft loss = w * KL(target || draft) + (1 - w) * CE")
     eval_batches: int = option(16, "held-out batches for the report")
     seed: int = option(0, "random seed")
-    threads: int = option(1, "torch threads (0: torch's default)")
+    threads: int = option(0, "torch threads (0: torch's default, one per core)")
     draft_baseline: bool = option(False, "also train the draft on data alone, for comparison")
+    target_from: str = option(
+        "", "load this trained target instead of training one (to retry drafts)"
+    )
 
 
 TARGET_SHAPE = dict(
@@ -67,12 +70,12 @@ TARGET_SHAPE = dict(
     num_key_value_heads=4,
 )  # ~6.1M parameters
 DRAFT_SHAPE = dict(
-    hidden_size=96,
-    intermediate_size=256,
+    hidden_size=128,
+    intermediate_size=384,
     num_hidden_layers=2,
     num_attention_heads=2,
     num_key_value_heads=2,
-)  # ~0.6M parameters
+)  # ~0.95M parameters
 EOS = "<|endoftext|>"
 HELD_OUT_PERCENT = 5
 
@@ -83,6 +86,7 @@ def stdlib_files():
     """The interpreter's standard-library .py files, tests excluded, split train / held out."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "test", "tests", "idle_test", "lib2to3", "turtledemo"}
+    skip |= {"encodings", "pydoc_data"}  # generated tables and a help-text dump, not code
     files = sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
     train, held_out = [], []
     for path in files:
@@ -216,6 +220,17 @@ def evaluate(target, drafts, stream, cfg):
     return report
 
 
+def save(model, tokenizer, folder):
+    """Write a model in float16 beside its tokenizer.
+
+    The model in memory goes back to float32 holding the stored float16 values, so what the
+    report measures and the draft learns from is exactly what was written.
+    """
+    model.to(torch.float16).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    model.to(torch.float32)
+
+
 # ---- held-out prompts ----
 
 
@@ -281,7 +296,12 @@ def main(argv=None):
     root, train_paths, held_paths = stdlib_files()
     log(f"stdlib at {root}: {len(train_paths)} training files, {len(held_paths)} held out")
     t0 = time.time()
-    tokenizer = train_tokenizer(read_texts(train_paths), cfg.vocab_size)
+    if cfg.target_from:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.target_from)
+    else:
+        tokenizer = train_tokenizer(read_texts(train_paths), cfg.vocab_size)
     train_stream = token_stream(tokenizer, read_texts(train_paths))
     held_stream = token_stream(tokenizer, read_texts(held_paths))
     log(
@@ -289,11 +309,18 @@ def main(argv=None):
         f"{len(held_stream)} held out ({time.time() - t0:.0f}s)"
     )
 
-    target = make_model(TARGET_SHAPE, tokenizer, cfg)
-    log(f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M parameters")
-    t0 = time.time()
-    train(target, train_stream, cfg.target_steps, cfg.target_lr, cfg, log, "target")
-    log(f"target trained in {time.time() - t0:.0f}s")
+    if cfg.target_from:
+        from transformers import AutoModelForCausalLM
+
+        target = AutoModelForCausalLM.from_pretrained(cfg.target_from, dtype=torch.float32).eval()
+        log(f"target: loaded from {cfg.target_from}")
+    else:
+        target = make_model(TARGET_SHAPE, tokenizer, cfg)
+        log(f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M parameters")
+        t0 = time.time()
+        train(target, train_stream, cfg.target_steps, cfg.target_lr, cfg, log, "target")
+        log(f"target trained in {time.time() - t0:.0f}s")
+        save(target, tokenizer, out / "target")  # now, so a draft can be retried with --target-from
     for p in target.parameters():
         p.requires_grad_(False)
 
@@ -322,9 +349,7 @@ def main(argv=None):
 
     report = evaluate(target, drafts, held_stream, cfg)
     log("held-out report: " + json.dumps(report, indent=2))
-    for name, model in (("target", target), ("draft", draft)):
-        model.to(torch.float16).save_pretrained(out / name)
-        tokenizer.save_pretrained(out / name)
+    save(draft, tokenizer, out / "draft")
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     prompts = make_prompts(root, held_paths)
     (out / "prompts.json").write_text(json.dumps(prompts, indent=1) + "\n")
