@@ -321,6 +321,7 @@ def main(argv=None):
         train(target, train_stream, cfg.target_steps, cfg.target_lr, cfg, log, "target")
         log(f"target trained in {time.time() - t0:.0f}s")
         save(target, tokenizer, out / "target")  # now, so a draft can be retried with --target-from
+        log(f"wrote {out}/target")
     for p in target.parameters():
         p.requires_grad_(False)
 
@@ -353,7 +354,7 @@ def main(argv=None):
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     prompts = make_prompts(root, held_paths)
     (out / "prompts.json").write_text(json.dumps(prompts, indent=1) + "\n")
-    log(f"wrote {out}/target, {out}/draft, {out}/prompts.json ({len(prompts)} prompts)")
+    log(f"wrote {out}/draft, {out}/prompts.json ({len(prompts)} prompts)")
 
 
 if __name__ == "__main__":
