@@ -15,6 +15,7 @@ training data: nothing is downloaded. The script
    and writes both models (Hugging Face format, float16) and a held-out prompt set.
 
     python train_pair.py --draft-baseline   # writes models/{target,draft,prompts.json}
+    python train_pair.py --target-from models/target --target-steps 0   # only a new draft
 
 Seeds are fixed; the result depends on the Python version (its standard library is the data)
 and, in the last bits, on the machine.
@@ -58,7 +59,9 @@ class TrainConfig:
     threads: int = option(0, "torch threads (0: torch's default, one per core)")
     draft_baseline: bool = option(False, "also train the draft on data alone, for comparison")
     target_from: str = option(
-        "", "load this trained target instead of training one (to retry drafts)"
+        "",
+        "start from this trained target and its tokenizer: --target-steps more steps "
+        "(0: keep it as it is and train only the drafts)",
     )
 
 
@@ -317,10 +320,11 @@ def main(argv=None):
     else:
         target = make_model(TARGET_SHAPE, tokenizer, cfg)
         log(f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M parameters")
+    if cfg.target_steps:
         t0 = time.time()
         train(target, train_stream, cfg.target_steps, cfg.target_lr, cfg, log, "target")
         log(f"target trained in {time.time() - t0:.0f}s")
-        save(target, tokenizer, out / "target")  # now, so a draft can be retried with --target-from
+        save(target, tokenizer, out / "target")  # now: a draft can be retried with --target-from
         log(f"wrote {out}/target")
     for p in target.parameters():
         p.requires_grad_(False)
