@@ -300,6 +300,8 @@ def tree_forward(model, cache, tokens, parents):
     One call serves the prompt (a chain), each draft pass and the target's verification.
     `parents` may start with tree nodes fed earlier, which are then the last entries of the
     cache (the draft's earlier passes); -1 marks a child of the last token before the tree.
+    Sliding-window layers get the same mask with the window applied; the cache keeps every
+    entry, so generation runs past the window exactly.
     """
     n_old = len(parents) - len(tokens)  # tree nodes already in the cache
     n_prefix = cache.get_seq_length() - n_old
