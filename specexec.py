@@ -354,14 +354,15 @@ class DraftTree:
                 self.tokens.append(token)
                 self.parents.append(node)
                 self.cum_logprob.append(self.cum_logprob[node] + logprob)
-                heapq.heappush(self.candidates, self.key(child))
                 # `best_so_far` is ordered by the negated key, so its top is the worst of them;
-                # once full, a newcomer pushes out the worst (or itself, if it is worse).
+                # once full, a newcomer pushes out the worst, or itself if it is worse. Then
+                # neither it nor its children can ever enter: it is no candidate either.
                 negated = (self.cum_logprob[child], -child)
                 if len(self.best_so_far) < self.budget:
                     heapq.heappush(self.best_so_far, negated)
-                else:
-                    heapq.heappushpop(self.best_so_far, negated)
+                elif heapq.heappushpop(self.best_so_far, negated) == negated:
+                    continue
+                heapq.heappush(self.candidates, self.key(child))
 
     def worst_kept(self):
         """The key of the worst of the `budget` best nodes, and whether there are `budget`."""

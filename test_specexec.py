@@ -177,6 +177,37 @@ def test_tree_grows_best_first_until_budget_is_settled():
     assert stats.draft_passes < 50
 
 
+@pytest.mark.parametrize("budget", [1, 5, 17, 40])
+def test_tree_is_the_best_budget_of_the_whole_search_space(budget):
+    """With width >= budget, the pruned best-first search keeps exactly the `budget` most
+    probable nodes of the full tree (every node's `branch` best children, to `max_depth`),
+    enumerated here node by node with fresh forwards: nothing it skipped could have entered."""
+    from transformers import DynamicCache
+
+    draft, prompt = tiny_model("llama", 1, init=0.3), [5, 6, 7]
+    opts = specexec.Options(budget=budget, max_depth=4, width=budget, branch=3)
+    with torch.no_grad():
+        tree = specexec.grow_tree(draft, DynamicCache(), prompt, opts, specexec.Stats(), 128)
+    paths = {}  # token path from the root -> cum_logprob, for every node of the full tree
+    frontier = [((), 0.0)]
+    for _ in range(opts.max_depth):
+        grown = []
+        for path, logp in frontier:
+            logits = fresh_logits(draft, prompt + list(path)).float()  # (vocab,)
+            top = torch.log_softmax(logits / opts.tree_temperature(), -1).topk(opts.branch)
+            grown += [
+                (path + (t,), logp + v) for v, t in zip(top.values.tolist(), top.indices.tolist())
+            ]
+        paths.update(grown)
+        frontier = grown
+    expected = sorted(paths, key=paths.get, reverse=True)[:budget]
+
+    def path_of(node):
+        return tuple(tree.tokens[i] for i in reversed(ancestors(tree.parents, node)[:-1]))
+
+    assert sorted(path_of(node) for node in tree.best()) == sorted(expected)
+
+
 # ---- exactness: SpecExec equals the target's own decoding ----
 
 
