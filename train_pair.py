@@ -352,9 +352,9 @@ def main(argv=None):
         train(baseline, train_stream, cfg.draft_steps, cfg.draft_lr, cfg, log, "draft-data-only")
         drafts["draft-data-only"] = baseline
 
+    save(draft, tokenizer, out / "draft")  # first, so the report measures the stored weights
     report = evaluate(target, drafts, held_stream, cfg)
     log("held-out report: " + json.dumps(report, indent=2))
-    save(draft, tokenizer, out / "draft")
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     prompts = make_prompts(root, held_paths)
     (out / "prompts.json").write_text(json.dumps(prompts, indent=1) + "\n")
