@@ -256,37 +256,41 @@ def choose(logits, opts, rng):
 # ---- tree attention mask ----
 
 
-def tree_mask(parents, n_cached, dtype, device, window=None):
-    """Additive attention mask and position ids for `len(parents)` new tokens.
+def tree_mask(parents, n_cached, dtype, device, window=None, n_new=None):
+    """Additive attention mask and position ids for `len(parents)` tree tokens after `n_cached`.
 
-    parents[i] < i is the index of token i's parent among the new tokens, or -1 when its
-    parent is the last cached token. Token i may look at the whole cache, its ancestors and
-    itself. A causal mask is the tree mask of a chain: parents = [-1, 0, 1, 2, ...].
+    parents[i] < i is the index of token i's parent among the tree tokens, or -1 when its
+    parent is the last of the n_cached tokens. Token i may look at those n_cached tokens, its
+    ancestors and itself. A causal mask is the tree mask of a chain: parents = [-1, 0, 1, ...].
     With a sliding `window`, it may also look no further back than `window - 1` positions.
-    Returns mask (1, 1, n, n_cached + n): 0 = may look, finfo.min = may not; and position
-    ids (1, n) = n_cached + depth (the number of new ancestors). The mask must be an
-    additive float: Hugging Face passes a 4D mask through untouched, and a boolean one
-    would be misread by eager attention.
+    Only the rows of the last `n_new` tree tokens are made (default: all of them); a draft
+    pass feeds a few nodes below those of earlier passes, which are in its cache already.
+    Returns mask (1, 1, n_new, n_cached + n): 0 = may look, finfo.min = may not; and position
+    ids (1, n_new) = n_cached + depth (the number of ancestors among the tree tokens). The
+    mask must be an additive float: Hugging Face passes a 4D mask through untouched, and a
+    boolean one would be misread by eager attention.
     """
     n = len(parents)
+    new = slice(n - (n if n_new is None else n_new), n)  # the rows asked for
     parent = torch.tensor(parents, dtype=torch.long)  # (n,)
     sees = torch.eye(n, dtype=torch.bool)  # (n, n): sees[i, j] = j is i or an ancestor of i
-    depth = torch.zeros(n, dtype=torch.long)  # (n,): how many of the new tokens are ancestors
+    depth = torch.zeros(n, dtype=torch.long)  # (n,): how many of the n tokens are ancestors
     # Walk every token up its chain of ancestors at once; the walk ends at the tree's depth.
     node = parent.clone()  # (n,): the ancestor each token reached so far
     while (climbing := (node >= 0).nonzero()[:, 0]).numel():  # (n_climbing,)
         sees[climbing, node[climbing]] = True
         depth[climbing] += 1
         node[climbing] = parent[node[climbing]]
-    blocked = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype)  # (n, n)
-    cached = torch.zeros(n, n_cached, dtype=dtype)  # (n, n_cached): the cache is all visible
-    mask = torch.cat([cached, blocked.masked_fill_(sees, 0.0)], -1)  # (n, n_cached + n)
-    positions = n_cached + depth  # (n,)
+    sees, positions = sees[new], n_cached + depth  # (n_new, n), (n,)
+    # Only the new rows become floats: a draft pass adds a few rows below a large tree.
+    blocked = torch.full(sees.shape, torch.finfo(dtype).min, dtype=dtype)  # (n_new, n)
+    cached = torch.zeros(len(sees), n_cached, dtype=dtype)  # (n_new, n_cached): all visible
+    mask = torch.cat([cached, blocked.masked_fill_(sees, 0.0)], -1)  # (n_new, n_cached + n)
     if window is not None:
         key_positions = torch.cat([torch.arange(n_cached), positions])  # (n_cached + n,)
-        too_far = positions[:, None] - key_positions[None, :] >= window  # (n, n_cached + n)
+        too_far = positions[new, None] - key_positions[None, :] >= window  # (n_new, n_cached + n)
         mask.masked_fill_(too_far, torch.finfo(dtype).min)
-    return mask[None, None].to(device), positions[None].to(device)
+    return mask[None, None].to(device), positions[None, new].to(device)
 
 
 def chain(n):
@@ -305,18 +309,18 @@ def tree_forward(model, cache, tokens, parents):
     """
     n_old = len(parents) - len(tokens)  # tree nodes already in the cache
     n_prefix = cache.get_seq_length() - n_old
-    mask, positions = tree_mask(parents, n_prefix, model.dtype, model.device)
-    mask = mask[:, :, n_old:]  # (1, 1, n, n_prefix + n_old + n): the new rows
+    rows = dict(dtype=model.dtype, device=model.device, n_new=len(tokens))
+    mask, positions = tree_mask(parents, n_prefix, **rows)  # (1, 1, n, n_prefix + n_old + n)
     window = getattr(model.config, "sliding_window", None)
     if window is not None:  # some layers (Qwen2's `layer_types`) or all (Mistral) slide
-        sliding = tree_mask(parents, n_prefix, model.dtype, model.device, window)[0][:, :, n_old:]
+        sliding = tree_mask(parents, n_prefix, window=window, **rows)[0]
         kinds = getattr(model.config, "layer_types", None)
         mask = {"full_attention": mask, "sliding_attention": sliding} if kinds else sliding
     input_ids = torch.tensor([tokens], dtype=torch.long, device=model.device)  # (1, n)
     out = model(
         input_ids=input_ids,
         attention_mask=mask,
-        position_ids=positions[:, n_old:],  # (1, n)
+        position_ids=positions,  # (1, n)
         past_key_values=cache,
         use_cache=True,
     )

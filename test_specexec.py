@@ -92,6 +92,25 @@ def test_mask_sees_exactly_prefix_ancestors_and_self(parents, n_cached):
     assert set(mask.unique().tolist()) <= {0.0, torch.finfo(torch.float32).min}
 
 
+@settings(max_examples=40, **SETTINGS)
+@given(
+    parents=random_parents(),
+    n_cached=st.integers(0, 6),
+    window=st.sampled_from([None, 1, 3, 8]),
+    data=st.data(),
+)
+def test_mask_of_the_new_rows_is_the_last_rows_of_the_whole_mask(parents, n_cached, window, data):
+    """A draft pass feeds a few nodes below a tree already in its cache: their rows alone.
+
+    Oracle: the last `n_new` rows of the mask of every node (checked above, path by path).
+    """
+    n_new = data.draw(st.integers(1, len(parents)))
+    whole, whole_positions = specexec.tree_mask(parents, n_cached, torch.float32, "cpu", window)
+    rows, positions = specexec.tree_mask(parents, n_cached, torch.float32, "cpu", window, n_new)
+    assert torch.equal(rows, whole[:, :, -n_new:])
+    assert torch.equal(positions, whole_positions[:, -n_new:])
+
+
 @settings(max_examples=12, **SETTINGS)
 @given(
     family=st.sampled_from(FAMILIES),
