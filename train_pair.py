@@ -51,6 +51,8 @@ class TrainConfig:
     batch_size: int = option(8, "windows per optimizer step")
     target_steps: int = option(1600, "optimizer steps for the target")
     draft_steps: int = option(800, "optimizer steps for the draft")
+    draft_hidden: int = option(128, "the draft's width, a multiple of 64 (a head per 64; MLP 3x)")
+    draft_layers: int = option(2, "the draft's decoder layers")
     target_lr: float = option(3e-3, "peak learning rate of the target")
     draft_lr: float = option(3e-3, "peak learning rate of the draft")
     distill_weight: float = option(0.9, "w in draft loss = w * KL(target || draft) + (1 - w) * CE")
@@ -72,13 +74,6 @@ TARGET_SHAPE = dict(
     num_attention_heads=4,
     num_key_value_heads=4,
 )  # ~6.1M parameters
-DRAFT_SHAPE = dict(
-    hidden_size=128,
-    intermediate_size=384,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=2,
-)  # ~0.95M parameters
 EOS = "<|endoftext|>"
 HELD_OUT_PERCENT = 5
 
@@ -134,6 +129,18 @@ def batches(stream, batch_size, seq_len, generator):
 
 
 # ---- models ----
+
+
+def draft_shape(cfg):
+    """The draft: a narrower, shallower Llama (hidden 128, 2 layers: ~0.95M parameters)."""
+    heads = cfg.draft_hidden // 64
+    return dict(
+        hidden_size=cfg.draft_hidden,
+        intermediate_size=3 * cfg.draft_hidden,
+        num_hidden_layers=cfg.draft_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+    )
 
 
 def make_model(shape, tokenizer, cfg):
@@ -274,7 +281,10 @@ def parse_args(argv=None):
             parser.add_argument(flag, action="store_true", help=text)
         else:
             parser.add_argument(flag, type=f.type, default=f.default, help=text)
-    return TrainConfig(**vars(parser.parse_args(argv)))
+    cfg = TrainConfig(**vars(parser.parse_args(argv)))
+    if cfg.draft_hidden < 64 or cfg.draft_hidden % 64:
+        parser.error(f"--draft-hidden must be a multiple of 64, not {cfg.draft_hidden}")
+    return cfg
 
 
 def main(argv=None):
@@ -330,7 +340,7 @@ def main(argv=None):
         p.requires_grad_(False)
 
     torch.manual_seed(cfg.seed + 1)
-    draft = make_model(DRAFT_SHAPE, tokenizer, cfg)
+    draft = make_model(draft_shape(cfg), tokenizer, cfg)
     log(f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M parameters")
     t0 = time.time()
     train(
@@ -348,7 +358,7 @@ def main(argv=None):
     drafts = {"draft": draft}
     if cfg.draft_baseline:
         torch.manual_seed(cfg.seed + 1)
-        baseline = make_model(DRAFT_SHAPE, tokenizer, cfg)
+        baseline = make_model(draft_shape(cfg), tokenizer, cfg)
         train(baseline, train_stream, cfg.draft_steps, cfg.draft_lr, cfg, log, "draft-data-only")
         drafts["draft-data-only"] = baseline
 
