@@ -132,7 +132,7 @@ def batches(stream, batch_size, seq_len, generator):
 
 
 def draft_shape(cfg):
-    """The draft: a narrower, shallower Llama (hidden 128, 2 layers: ~0.95M parameters)."""
+    """The draft: a narrower, shallower Llama (default: hidden 128, 2 layers, ~0.95M parameters)."""
     heads = cfg.draft_hidden // 64
     return dict(
         hidden_size=cfg.draft_hidden,
