@@ -65,6 +65,11 @@ class TrainConfig:
         "start from this trained target and its tokenizer: --target-steps more steps "
         "(0: keep it as it is and train only the drafts)",
     )
+    draft_from: str = option(
+        "",
+        "start the distilled draft from this trained draft (its own shape; --draft-hidden and "
+        "--draft-layers are ignored): --draft-steps more steps",
+    )
 
 
 TARGET_SHAPE = dict(
@@ -340,7 +345,13 @@ def main(argv=None):
         p.requires_grad_(False)
 
     torch.manual_seed(cfg.seed + 1)
-    draft = make_model(draft_shape(cfg), tokenizer, cfg)
+    if cfg.draft_from:
+        from transformers import AutoModelForCausalLM
+
+        draft = AutoModelForCausalLM.from_pretrained(cfg.draft_from, dtype=torch.float32)
+        log(f"draft: loaded from {cfg.draft_from}")
+    else:
+        draft = make_model(draft_shape(cfg), tokenizer, cfg)
     log(f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M parameters")
     t0 = time.time()
     train(
