@@ -66,9 +66,9 @@ def parse_args(argv=None):
     group.add_argument(
         "--prompt-index",
         type=int,
-        default=1,
+        default=16,
         metavar="N",
-        help="which of models/prompts.json (default: 1)",
+        help="which of models/prompts.json (default: 16)",
     )
     group.add_argument(
         "--chat-template",
