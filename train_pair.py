@@ -164,6 +164,13 @@ def make_model(shape, tokenizer, cfg):
     return LlamaForCausalLM(config)
 
 
+def load_trained(folder):
+    """A model written by `save`, in float32 to train further (--target-from, --draft-from)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
 def lr_at(step, total, peak):
     """Linear warm-up over 5% of the steps, then cosine decay to 10% of the peak."""
     warm = max(1, total // 20)
@@ -328,9 +335,7 @@ def main(argv=None):
     )
 
     if cfg.target_from:
-        from transformers import AutoModelForCausalLM
-
-        target = AutoModelForCausalLM.from_pretrained(cfg.target_from, dtype=torch.float32).eval()
+        target = load_trained(cfg.target_from).eval()
         log(f"target: loaded from {cfg.target_from}")
     else:
         target = make_model(TARGET_SHAPE, tokenizer, cfg)
@@ -346,9 +351,7 @@ def main(argv=None):
 
     torch.manual_seed(cfg.seed + 1)
     if cfg.draft_from:
-        from transformers import AutoModelForCausalLM
-
-        draft = AutoModelForCausalLM.from_pretrained(cfg.draft_from, dtype=torch.float32)
+        draft = load_trained(cfg.draft_from)
         log(f"draft: loaded from {cfg.draft_from}")
     else:
         draft = make_model(draft_shape(cfg), tokenizer, cfg)
