@@ -46,6 +46,13 @@ def positive(text):
     return value
 
 
+def count_or_auto(text):
+    try:
+        return text if text == "auto" else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor auto") from None
+
+
 def parse_args(argv=None):
     parser = Parser(
         description="SpecExec speculative decoding. With no arguments, runs the project's own "
@@ -84,8 +91,8 @@ def parse_args(argv=None):
         "--dtype",
         choices=("auto", "float32", "float16", "bfloat16", "float64"),
         default="auto",
-        help="auto: float32 on cpu, else the checkpoint's own; with --offload ssd always the "
-        "checkpoint's own, so its files are read in place",
+        help="auto: float32 on cpu (half precision runs about 6x slower there; with --offload "
+        "ssd a half checkpoint is then read from a float32 copy), else the checkpoint's own",
     )
     group.add_argument(
         "--threads", type=positive, metavar="N", help="CPU threads (default: torch's choice)"
@@ -117,7 +124,7 @@ def parse_args(argv=None):
         real = f.type in (float, float | None)
         group.add_argument(
             "--" + f.name.replace("_", "-"),
-            type=finite if real else int,
+            type=finite if real else count_or_auto if f.type == int | str else int,
             default=f.default,
             metavar="X" if real else "N",
             help=text,
@@ -367,28 +374,27 @@ def run(args):
     check_prompt(input_ids, min(context_length(target_config), context_length(draft_config)))
 
     if args.offload:
-        target = load_offloaded(target_dir, args, device, pick_dtype(args, device, args.offload))
+        target = load_offloaded(target_dir, args, device, pick_dtype(args, device))
     else:
         target = load_model(target_dir, device, pick_dtype(args, device))
     try:
         draft = load_model(draft_dir, device, pick_dtype(args, device))
-        generate_and_report(target, draft, tokenizer, input_ids, args, opts)
+        generate_and_report(target, draft, tokenizer, input_ids, args, opts, device)
     finally:
         if args.offload:
             target.close()
             clean_offload(target, args.offload_clean)
 
 
-def pick_dtype(args, device, offload=None):
-    """auto: float32 on cpu (half runs about 6x slower there), else the checkpoint's own (None).
-    With --offload ssd, the checkpoint's own everywhere: its files are read in place, not copied."""
+def pick_dtype(args, device):
+    """auto: float32 on cpu, where half precision runs about 6x slower (with --offload ssd a
+    half checkpoint is then read from a float32 copy, made once), else the checkpoint's own."""
     if args.dtype != "auto":
         return getattr(torch, args.dtype)
-    in_place = offload == "ssd" and not args.quantize  # a quantized ssd target is a copy anyway
-    return torch.float32 if device.type == "cpu" and not in_place else None
+    return torch.float32 if device.type == "cpu" else None
 
 
-def generate_and_report(target, draft, tokenizer, input_ids, args, opts):
+def generate_and_report(target, draft, tokenizer, input_ids, args, opts, device):
     # Stop at any EOS the tokenizer or the model's generation config names.
     config_eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
     eos = {tokenizer.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos])}
@@ -407,29 +413,36 @@ def generate_and_report(target, draft, tokenizer, input_ids, args, opts):
     tokens, stats = generate(
         target, draft, input_ids, eos_token_id=eos, on_tokens=Streamer(tokenizer), **options
     )
-    seed = f", seed {options['seed']}" if opts.temperature > 0 else ""
+    seed = f"; seed {options['seed']}" if opts.temperature > 0 else ""
     print(
-        f"\n\n{dim}specexec: {stats.summary()}; budget {opts.budget}, "
-        f"{stats.draft_passes / max(1, stats.steps):.1f} draft passes/step; "
+        f"\n\n{dim}specexec: {stats.summary()}; "
+        f"{stats.draft_passes / max(1, stats.steps):.1f} draft passes per target pass; "
         f"threads {torch.get_num_threads()}{seed}{reset}"
     )
     if args.offload:
         last = target.stats  # the last target pass
+        rate = f" ({last.gb_per_s:.2f} GB/s)" if last.bytes_moved > 1e8 else ""
         print(
-            f"{dim}offload ({args.offload}): last target pass moved {last.bytes_moved / 1e9:.3f} "
-            f"GB in {last.pass_s:.3f}s ({last.gb_per_s:.2f} GB/s), {last.wait_s:.3f}s waiting "
-            f"for weights{reset}"
+            f"{dim}offload ({args.offload}): the last target pass moved "
+            f"{last.bytes_moved / 1e6:,.1f} MB in {last.pass_s:.3f}s{rate}, {last.wait_s:.3f}s of "
+            f"it waiting for weights{reset}"
         )
     if args.compare:
         base_tokens, base = autoregressive(target, input_ids, eos_token_id=eos, **options)
         same = "identical output" if base_tokens == tokens else "outputs differ"
-        print(f"{dim}autoregressive: {base.summary()}{reset}")
-        speedup = stats.tokens_per_second / base.tokens_per_second
-        print(f"speedup {speedup:.2f}x ({stats.tokens_per_step:.2f} tokens/step); {same}")
-        if speedup < 1:
+        print(f"{dim}plain decoding: {base.summary()}{reset}")
+        if base.new_tokens and stats.new_tokens:
+            speedup = stats.tokens_per_second / base.tokens_per_second
+            print(f"speedup {speedup:.2f}x ({stats.tokens_per_step:.2f} tokens per target pass)")
+        print(same)
+        if device.type == "cpu" and args.offload != "ssd":
+            where = "in memory" if not args.offload else "in RAM (--offload ram on a CPU is a "
+            where += "" if not args.offload else "memory copy, not a link to another device)"
             print(
-                f"{dim}(on this device a pass over a whole tree costs more than a one-token pass; "
-                f"SpecExec pays where the target's weights stream from RAM or disk){reset}"
+                f"{dim}(not SpecExec's regime: with the target {where}, a pass over a tree costs "
+                f"more than a one-token pass. It pays where the weights stream over a slow link: "
+                f"`python bench_disk.py --grow-to big-target`, then `python specexec.py --target "
+                f"big-target --offload ssd --compare`){reset}"
             )
     sys.stdout.flush()  # a closed pipe fails here, inside main's handlers, not at exit
 

@@ -62,7 +62,9 @@ class Options:
     """Generation options: one source of defaults for `generate`, `autoregressive` and the CLI."""
 
     max_new_tokens: int = option(128, "stop after this many new tokens")
-    budget: int = option(256, "draft tree size: nodes verified per step")
+    budget: int | str = option(
+        256, 'draft tree size: nodes verified per step; "auto": chosen as it runs (CostModel)'
+    )
     max_depth: int = option(16, "max tree depth = draft passes per step")
     width: int = option(32, "beam width: nodes expanded per draft pass")
     branch: int = option(8, "children kept per expanded node")
@@ -70,6 +72,9 @@ class Options:
     top_p: float = option(1.0, "nucleus sampling mass (1 = off)")
     top_k: int = option(0, "sample from the k most likely (0 = off)")
     seed: int | None = option(None, "random seed for sampling (default: a fresh one)")
+    draft_threads: int | None = option(
+        1, "CPU threads for the draft's passes (None: torch's setting); output is unchanged"
+    )
     draft_temperature: float | None = option(
         None,
         "the draft's temperature when it ranks the tree (default: 0.3 when greedy, "
@@ -78,15 +83,18 @@ class Options:
 
     def __post_init__(self):
         for f in fields(self):
-            value, integer = getattr(self, f.name), f.type in (int, int | None)
+            value, integer = getattr(self, f.name), f.type in (int, int | str, int | None)
+            if f.name == "budget" and value == "auto":
+                continue
             kind = numbers.Integral if integer else numbers.Real  # a bool is no count
             if (value is not None or f.default is not None) and (
                 isinstance(value, bool) or not isinstance(value, kind)
             ):
                 kind = "an integer" if integer else "a number"
+                kind += ' or "auto"' if f.name == "budget" else ""
                 raise SpecExecError(f"{f.name} must be {kind}, got {value!r}")
-        for name in ("budget", "max_depth", "width", "branch"):
-            if getattr(self, name) < 1:
+        for name in ("budget", "max_depth", "width", "branch", "draft_threads"):
+            if getattr(self, name) not in ("auto", None) and getattr(self, name) < 1:
                 raise SpecExecError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.max_new_tokens < 0 or self.top_k < 0:
             raise SpecExecError("max_new_tokens and top_k cannot be negative")
@@ -124,6 +132,8 @@ class Stats:
     draft_passes: int = 0
     accepted: list = field(default_factory=list)  # tokens emitted per step (path + bonus)
     tree_sizes: list = field(default_factory=list)  # nodes verified per step
+    choices: list = field(default_factory=list)  # (budget, depth) per step; budget 0: no tree
+    cost_model: "CostModel | None" = None  # budget "auto": what it measured and predicted
     time_draft: float = 0.0
     time_target: float = 0.0
     time_total: float = 0.0
@@ -146,12 +156,22 @@ class Stats:
         return dict(sorted(Counter(self.accepted).items()))
 
     def summary(self):
-        return (
-            f"{self.new_tokens} tokens in {self.steps} steps: "
-            f"{self.tokens_per_step:.2f} tokens/step, {self.tokens_per_second:.1f} tokens/s "
-            f"(draft {self.time_draft:.2f}s, target {self.time_target:.2f}s, "
-            f"other {self.time_other:.2f}s)"
+        """One line: what was made, per target pass and per second, and where the time went."""
+        passes = f"{self.steps} target pass{'es' * (self.steps != 1)}"
+        line = (
+            f"{self.new_tokens} tokens in {passes} ({self.tokens_per_step:.2f} per pass), "
+            f"{self.tokens_per_second:.3g} tokens/s; draft {self.time_draft:.2f}s, target "
+            f"{self.time_target:.2f}s, other {self.time_other:.2f}s"
         )
+        trees = [choice for choice in self.choices if choice[0]]
+        if trees:  # SpecExec, not the baseline
+            (budget, depth), n = Counter(trees).most_common(1)[0]
+            line += f"; budget {budget}, depth {depth}"
+            if len(set(trees)) > 1:
+                line += f" in {n} of {len(self.choices)} steps"
+        if len(trees) < len(self.choices):
+            line += f"; plain decoding (no tree) in {len(self.choices) - len(trees)} steps"
+        return line
 
 
 @contextmanager
@@ -163,6 +183,22 @@ def timer(stats, name, device):
     yield
     sync()
     setattr(stats, name, getattr(stats, name) + time.perf_counter() - start)
+
+
+@contextmanager
+def cpu_threads(n, device):
+    """Run a block on `n` CPU threads (n None, or a GPU: as it is). A draft pass is a few small
+    matmuls: more threads do not make it faster, and on a busy CPU they wait for each other
+    (README, "Where the time goes")."""
+    if n is None or torch.device(device).type != "cpu":
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 # ---- input checks ----
@@ -337,6 +373,7 @@ class DraftTree:
     tokens: list  # token of each node
     parents: list  # parent node of each node; -1 for the root
     cum_logprob: list  # draft log-probability of the path from the root (root: 0)
+    depth: list  # edges from the root (root: 0)
     budget: int  # how many nodes (besides the root) the target will verify
     candidates: list = field(default_factory=list)  # heap of keys: found, not yet fed, best first
     best_so_far: list = field(default_factory=list)  # heap: the `budget` best nodes, worst first
@@ -358,6 +395,7 @@ class DraftTree:
                 self.tokens.append(token)
                 self.parents.append(node)
                 self.cum_logprob.append(self.cum_logprob[node] + logprob)
+                self.depth.append(self.depth[node] + 1)
                 # `best_so_far` is ordered by the negated key, so its top is the worst of them;
                 # once full, a newcomer pushes out the worst, or itself if it is worse. Then
                 # neither it nor its children can ever enter: it is no candidate either.
@@ -391,28 +429,30 @@ class DraftTree:
         return [index[self.parents[node]] for node in nodes]
 
 
-def grow_tree(draft, cache, seq, opts, stats, limit):
-    """Best-first search for the `opts.budget` most probable continuations of `seq`.
+def grow_tree(draft, cache, seq, opts, stats, limit, budget=None, max_depth=None):
+    """Best-first search for the `budget` most probable continuations of `seq`.
 
     A heap holds the candidates: nodes discovered but not yet fed to the draft. Each draft
     pass takes the `width` best of them, runs them in one tree-masked batch (reusing the
     cache of the prefix and of all nodes fed before), and pushes each one's `branch` best
-    children. Passes per tree are bounded by the depth, whatever the budget: `opts.max_depth`,
-    less near the end of the context (`limit` positions).
+    children. Passes per tree are bounded by the depth, whatever the budget: `max_depth`, less
+    near the end of the context (`limit` positions). Both default to `opts`'.
     """
+    budget = opts.budget if budget is None else budget
+    max_depth = opts.max_depth if max_depth is None else max_depth
     # Pass 1: feed the trunk (what the draft's cache lacks, ending with the root).
     trunk = seq[cache.get_seq_length() :]
     if max(trunk) >= draft.config.vocab_size:  # the prompt was checked, the target's picks not
         raise SpecExecError(f"the target chose token id {max(trunk)}, which the draft lacks")
     logits = tree_forward(draft, cache, trunk, chain(len(trunk)))  # (len(trunk), vocab)
     stats.draft_passes += 1
-    tree = DraftTree(tokens=[seq[-1]], parents=[-1], cum_logprob=[0.0], budget=opts.budget)
+    tree = DraftTree(tokens=[seq[-1]], parents=[-1], cum_logprob=[0.0], depth=[0], budget=budget)
     sharpness = opts.tree_temperature()
     logprobs = torch.log_softmax(logits[-1:].float() / sharpness, -1)  # (1, vocab)
     tree.add_children([0], logprobs, opts.branch)
 
     # Tree nodes at depth d sit at position len(seq) - 1 + d, which must fit the context.
-    for _ in range(min(opts.max_depth, limit - len(seq)) - 1):
+    for _ in range(min(max_depth, limit - len(seq)) - 1):
         # A candidate outside today's best `budget` nodes can never enter it (the set only
         # gets better), nor can its descendants, so expanding it is wasted work. Once the set
         # is full, neither is expanding its worst node: its children would rank below it.
@@ -481,11 +521,25 @@ def keep_path(cache, nodes, path):
         layer.values = layer.values.index_select(-2, index)
 
 
-def speculative_step(target, draft, target_cache, draft_cache, seq, opts, rng, stats, limit):
-    """One SpecExec step: draft tree, one target pass, acceptance, cache update; new tokens."""
-    with timer(stats, "time_draft", draft.device):
-        tree = grow_tree(draft, draft_cache, seq, opts, stats, limit)
+def speculative_step(
+    target, draft, target_cache, draft_cache, seq, opts, rng, stats, limit, cost=None
+):
+    """One SpecExec step: draft tree, one target pass, acceptance, cache update; new tokens.
+
+    With `cost` (budget "auto"), the step's budget and depth are the cost model's choice, and
+    budget 0 is plain decoding: no tree, no draft pass (the draft's cache then lags behind
+    `seq`, and its next tree's trunk catches it up).
+    """
+    budget, depth = cost.choose() if cost else (opts.budget, opts.max_depth)
+    started, draft_s, target_s = time.perf_counter(), stats.time_draft, stats.time_target
+    draft_passes = stats.draft_passes
+    with timer(stats, "time_draft", draft.device), cpu_threads(opts.draft_threads, draft.device):
+        if budget:
+            tree = grow_tree(draft, draft_cache, seq, opts, stats, limit, budget, depth)
+        else:
+            tree = DraftTree(tokens=[seq[-1]], parents=[-1], cum_logprob=[0.0], depth=[0], budget=0)
         kept = tree.best()
+    n_fed = len(seq) - target_cache.get_seq_length() + len(kept)  # trunk and tree
     with timer(stats, "time_target", target.device):
         logits = verify(target, target_cache, seq, tree, kept)  # (1 + len(kept), vocab)
         path, bonus = accept(tree, kept, logits, opts, rng)
@@ -497,13 +551,133 @@ def speculative_step(target, draft, target_cache, draft_cache, seq, opts, rng, s
     keep_path(target_cache, kept, path)
     keep_path(draft_cache, tree.fed, path)
     # The invariant: the target's cache holds the new `seq` but its last token (the bonus),
-    # the draft's that too, or all but the path's last node if it never fed it.
+    # the draft's that too, or all but the path's last node if it never fed it (or less,
+    # after a step without a tree).
     n_seen = len(seq) + len(path)
     lengths = draft_cache.get_seq_length(), target_cache.get_seq_length()
-    assert n_seen - 1 <= lengths[0] <= lengths[1] == n_seen, f"cache lengths {lengths}, {n_seen}"
+    assert n_seen - 1 <= lengths[0] or not budget, f"draft cache {lengths[0]}, {n_seen}"
+    assert lengths[0] <= lengths[1] == n_seen, f"cache lengths {lengths}, {n_seen}"
 
     stats.tree_sizes.append(len(kept))
+    stats.choices.append((budget, depth))
+    if cost:
+        draft_s, target_s = stats.time_draft - draft_s, stats.time_target - target_s
+        other_s = time.perf_counter() - started - draft_s - target_s
+        passes = stats.draft_passes - draft_passes
+        cost.observe(n_fed, target_s, draft_s / max(1, passes), other_s, tree, kept, path)
     return [tree.tokens[node] for node in path] + [bonus]
+
+
+# ---- choosing the budget: the cost model ----
+
+
+def running_mean(old, new, weight=0.3):
+    return new if old is None else (1 - weight) * old + weight * new
+
+
+@dataclass
+class CostModel:
+    """`budget="auto"`: before each step, the (budget, depth) with the most tokens per second.
+
+    In the paper's terms a step yields E[tokens](b, d) and costs d draft passes, one target
+    pass over the tree and some bookkeeping, so auto takes the (b, d) that maximises
+
+        tokens/s = E[tokens](b, d) / (d * t_draft + t_target(b + 1) + t_other).
+
+    The cost is measured as the run goes: t_target(n), the seconds of a target pass over n
+    tokens, at each size run so far, and on straight lines between and beyond them; t_draft,
+    one draft pass; t_other, the rest of a step. A tree at most twice the largest pass run so
+    far is a candidate, so auto learns the cost of bigger trees one doubling at a time. The
+    gain is predicted from the tree the draft built last step: 1 (the bonus token) plus, for
+    each node of the tree of the b best nodes no deeper than d, the chance that the target
+    follows the path to it, read off how often nodes of about that draft path probability
+    were followed so far. Budget 0 is
+    plain decoding (E = 1, no draft pass); after `PLAIN_STEPS` of those in a row, one tree
+    step looks at the draft's predictions again.
+    """
+
+    max_depth: int
+    budget: int = 64  # the first step's, before anything is measured
+    depth: int = 8
+    target_s: dict = field(default_factory=dict)  # tokens fed -> seconds of the pass
+    draft_s: float | None = None  # seconds per draft pass
+    other_s: float = 0.0
+    followed: list = field(default_factory=lambda: [0] * 40)  # per bin of cum_logprob
+    seen: list = field(default_factory=lambda: [0] * 40)
+    tree: DraftTree | None = None  # the last tree the draft grew
+    plain_steps: int = 0
+
+    BUDGETS = tuple(2**k for k in range(11))  # 1 .. 1024: the tree sizes auto considers
+    DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+    PLAIN_STEPS = 8
+
+    def observe(self, n_fed, target_s, draft_pass_s, other_s, tree, kept, path):
+        """What a step cost, and which of its tree's nodes the target followed."""
+        self.target_s[n_fed] = running_mean(self.target_s.get(n_fed), target_s)
+        self.other_s = running_mean(self.other_s, other_s)
+        if kept:
+            self.draft_s = running_mean(self.draft_s, draft_pass_s)
+            self.tree = tree
+            for node in kept:
+                self.seen[self.bin(tree.cum_logprob[node])] += 1
+                self.followed[self.bin(tree.cum_logprob[node])] += node in path
+        self.plain_steps = 0 if kept else self.plain_steps + 1
+
+    def bin(self, cum_logprob):
+        """Half-nat bins of the draft's path log-probability (at the tree's temperature)."""
+        return min(len(self.seen) - 1, int(-2 * cum_logprob))
+
+    def follow_rate(self, cum_logprob):
+        """How often the target followed nodes of this bin, with one prior node followed at the
+        draft's own probability."""
+        b = self.bin(cum_logprob)
+        return (self.followed[b] + math.exp(cum_logprob)) / (self.seen[b] + 1)
+
+    def t_target(self, n):
+        """Seconds of a target pass over n tokens: between two sizes run, on the line between
+        them; outside, on the line through the nearest two (never below the nearest)."""
+        sizes = sorted(self.target_s)
+        if len(sizes) == 1:
+            return self.target_s[sizes[0]]
+        i = min(max(1, sum(size < n for size in sizes)), len(sizes) - 1)  # the segment
+        (n0, t0), (n1, t1) = [(size, self.target_s[size]) for size in sizes[i - 1 : i + 1]]
+        seconds = t0 + (t1 - t0) / (n1 - n0) * (n - n0)
+        return max(seconds, t1) if n > n1 else max(seconds, 0.0)
+
+    def rates(self):
+        """Predicted tokens/s of each (budget, depth), and the depth its tree reaches.
+
+        Budget 0 is no tree. The tree of the b best nodes no deeper than d is the first b of
+        them, best first; a search for it needs as many draft passes as it is deep.
+        """
+        rates = {(0, 0): (1 / (self.t_target(1) + self.other_s), 0)}
+        tree = self.tree
+        for depth in (d for d in self.DEPTHS if d <= self.max_depth):
+            nodes = sorted(
+                (node for node in range(1, len(tree.tokens)) if tree.depth[node] <= depth),
+                key=tree.key,
+            )
+            gain, deepest = 1.0, 0
+            for b, node in enumerate(nodes, 1):
+                gain += self.follow_rate(tree.cum_logprob[node])
+                deepest = max(deepest, tree.depth[node])
+                if b in self.BUDGETS and b < 2 * max(self.target_s):  # one doubling at a time
+                    seconds = deepest * self.draft_s + self.t_target(b + 1) + self.other_s
+                    rates[(b, depth)] = (gain / seconds, deepest)
+        return rates
+
+    def choose(self):
+        """This step's (budget, depth)."""
+        if self.tree is None:
+            return self.budget, min(self.depth, self.max_depth)
+        rates = self.rates()
+        if self.plain_steps >= self.PLAIN_STEPS:  # look at the draft again
+            rates.pop((0, 0))
+        (self.budget, self.depth), (_, deepest) = max(rates.items(), key=lambda kv: kv[1][0])
+        # A tree that reaches its depth limit may gain from going deeper, which the last tree
+        # cannot show: the search then goes one level further, and the next choice sees it.
+        grow = self.budget and deepest == self.depth < self.max_depth
+        return self.budget, self.depth + grow
 
 
 # ---- generation loop ----
@@ -549,13 +723,18 @@ def generate(target, draft, input_ids, *, eos_token_id=None, on_tokens=None, **o
     limit = min(context_length(target.config), context_length(draft.config))
     seq = prompt_tokens(input_ids, limit, target=target, draft=draft)
     target_cache, draft_cache = DynamicCache(), DynamicCache()
+    cost = CostModel(max_depth=opts.max_depth) if opts.budget == "auto" else None
 
     def step(seq, rng, stats):
         return speculative_step(
-            target, draft, target_cache, draft_cache, seq, opts, rng, stats, limit
+            target, draft, target_cache, draft_cache, seq, opts, rng, stats, limit, cost
         )
 
-    return decode_loop(step, seq, opts, limit, stop_tokens(eos_token_id, target), on_tokens)
+    tokens, stats = decode_loop(
+        step, seq, opts, limit, stop_tokens(eos_token_id, target), on_tokens
+    )
+    stats.cost_model = cost
+    return tokens, stats
 
 
 # ---- autoregressive baseline ----

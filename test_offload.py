@@ -185,6 +185,40 @@ def test_generate_matches_in_memory_target(checkpoints):
     assert tokens == expected
 
 
+def test_grown_target_decodes_as_the_target_it_grew_from(checkpoints, tmp_path):
+    """bench_disk.py's big target: the trained layers' MLPs widened by units whose output weights
+    are zero, then new layers whose attention and MLP outputs are zero. Both models are read in
+    float64 from the same float32 values, so no near-tie can flip an argmax: logits equal to
+    rounding, and the same greedy text, in memory and streamed from disk."""
+    import bench_disk
+    import specexec
+
+    folder, _ = checkpoints["llama"]
+    grown = bench_disk.grow_target(folder, tmp_path / "grown", n_layers=5, intermediate=160)
+    source = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    big = AutoModelForCausalLM.from_pretrained(grown, dtype=torch.float64)
+    assert big.config.num_hidden_layers == 5 and big.config.intermediate_size == 160
+    assert sum(p.numel() for p in big.parameters()) > 2 * sum(
+        p.numel() for p in source.parameters()
+    )
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    with torch.no_grad():
+        assert torch.allclose(big(torch.tensor([prompt])).logits,
+                              source(torch.tensor([prompt])).logits, atol=1e-12)  # fmt: skip
+        expected, _ = specexec.autoregressive(source, prompt, max_new_tokens=16, eos_token_id=[])
+        assert (
+            specexec.autoregressive(big, prompt, max_new_tokens=16, eos_token_id=[])[0] == expected
+        )
+        copies = tmp_path / "copies"
+        with offload.from_pretrained(
+            grown, mode="ssd", dtype=torch.float64, offload_dir=copies
+        ) as t:
+            assert (
+                specexec.generate(t, source, prompt, max_new_tokens=16, eos_token_id=[])[0]
+                == expected
+            )
+
+
 def test_filesystem_without_o_direct(checkpoints, monkeypatch):
     """tmpfs and others refuse O_DIRECT: reads then go through the page cache, same logits."""
     real_open = os.open

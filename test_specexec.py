@@ -331,6 +331,91 @@ def test_sampling_with_a_seed_equals_the_target_alone(temperature, top_p, top_k)
             assert tokens == expected
 
 
+# ---- budget "auto": the cost model ----
+
+
+@settings(max_examples=10, **SETTINGS)
+@given(
+    family=st.sampled_from(FAMILIES),
+    prompt=st.lists(st.integers(0, 63), min_size=1, max_size=12),
+    max_new_tokens=st.integers(1, 40),
+)
+def test_auto_budget_equals_greedy_target(family, prompt, max_new_tokens):
+    """Whatever auto chooses each step (plain decoding included), the output is the target's."""
+    target, draft = tiny_model(family, 0, init=0.3), tiny_model(family, 11, init=0.3)
+    options = dict(max_new_tokens=max_new_tokens, eos_token_id=[])
+    with torch.no_grad():
+        expected, _ = specexec.autoregressive(target, prompt, **options)
+        tokens, stats = specexec.generate(target, draft, prompt, budget="auto", **options)
+    assert tokens == expected
+    assert len(stats.choices) == stats.steps and stats.cost_model is not None
+    allowed = {0, *specexec.CostModel.BUDGETS, specexec.CostModel.budget}
+    assert {budget for budget, _ in stats.choices} <= allowed
+
+
+def test_auto_budget_sampling_with_a_seed_equals_the_target_alone():
+    target, draft = tiny_model("qwen2", 0, init=0.3), tiny_model("qwen2", 1, init=0.3)
+    options = dict(temperature=0.8, top_p=0.9, max_new_tokens=40, eos_token_id=[])
+    with torch.no_grad():
+        for seed in range(3):
+            expected, _ = specexec.autoregressive(target, [5, 6], seed=seed, **options)
+            tokens, _ = specexec.generate(
+                target, draft, [5, 6], seed=seed, budget="auto", **options
+            )
+            assert tokens == expected
+
+
+def chain_tree(n, logprob):
+    """A hand-made draft tree: a chain of n nodes, each `logprob` below its parent."""
+    return specexec.DraftTree(
+        tokens=list(range(n + 1)),
+        parents=[-1, *range(n)],
+        cum_logprob=[logprob * depth for depth in range(n + 1)],
+        depth=list(range(n + 1)),
+        budget=n,
+    )
+
+
+def test_cost_model_lines_through_the_sizes_it_ran():
+    cost = specexec.CostModel(max_depth=16, target_s={5: 2.0})
+    assert cost.t_target(1) == cost.t_target(50) == 2.0  # one size: flat
+    cost.target_s = {1: 1.0, 11: 2.0, 21: 2.5}
+    assert cost.t_target(6) == pytest.approx(1.5)  # between two sizes
+    assert cost.t_target(31) == pytest.approx(3.0)  # beyond: the line through the last two
+    assert cost.t_target(0) == pytest.approx(0.9)  # below: the line through the first two
+
+
+@pytest.mark.parametrize(
+    "target_s, draft_s, chosen",
+    [
+        # streamed weights: a pass over 33 tokens costs what one token's does, drafting is cheap
+        ({1: 1.0, 33: 1.003}, 0.001, (32, 32)),
+        # in memory with a dear draft: each draft pass costs more than a target token
+        ({1: 0.01, 33: 0.5}, 0.05, (0, 0)),
+    ],
+)
+def test_cost_model_chooses_the_most_tokens_per_second(target_s, draft_s, chosen):
+    """E[tokens](b, d) / (d * t_draft + t_target(b + 1) + t_other), with a sure chain of 32
+    (every node's draft path probability near 1, nothing observed yet: the prior's rates)."""
+    cost = specexec.CostModel(max_depth=32, target_s=target_s, draft_s=draft_s)
+    cost.tree = chain_tree(32, logprob=-0.001)
+    rates = cost.rates()
+    assert max(rates, key=lambda choice: rates[choice][0]) == chosen
+    gain = 1 + sum(math.exp(-0.001 * depth) for depth in range(1, 17))
+    expected = gain / (16 * draft_s + cost.t_target(17))
+    assert rates[(16, 16)][0] == pytest.approx(expected)
+    assert cost.choose() == chosen
+
+
+def test_cost_model_reads_follow_rates_off_what_the_target_followed():
+    cost = specexec.CostModel(max_depth=8)
+    tree = chain_tree(4, logprob=-1.0)  # bins 2, 4, 6, 8 (half nats)
+    cost.observe(5, 1.0, 0.01, 0.0, tree, kept=[1, 2, 3, 4], path=[1, 2])
+    assert cost.follow_rate(-1.0) == pytest.approx((1 + math.exp(-1)) / 2)  # followed
+    assert cost.follow_rate(-3.0) == pytest.approx((0 + math.exp(-3)) / 2)  # not followed
+    assert cost.target_s == {5: 1.0} and cost.draft_s == 0.01
+
+
 def reference_probs(logits, temperature, top_k, top_p):
     """Oracle written plainly: temperature, then keep the top-k, then the nucleus."""
     scaled = [x / temperature for x in logits.tolist()]
@@ -825,4 +910,4 @@ def test_readme_api_snippet_runs_from_outside_the_repo(tmp_path):
     prompt = re.search(r'^prompt = "(.*)"$', code, re.M).group(1).encode().decode("unicode_escape")
     text, summary = run.stdout.rstrip("\n").rsplit("\n", 1)
     assert text.startswith(prompt) and text[len(prompt) :].strip(), run.stdout  # a continuation
-    assert re.match(r"\d+ tokens in \d+ steps: .* tokens/step", summary), summary
+    assert re.match(r"\d+ tokens in \d+ target pass(es)? \(.* per pass\)", summary), summary
