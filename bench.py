@@ -27,6 +27,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,7 +44,7 @@ class BenchConfig:
     prompt_file: str = str(cli.HERE / "models" / "prompts.json")
     prompts: int = 6  # held-out prompts per row
     tokens: int = 96  # new tokens per prompt
-    budgets: str = "1,16,64,256,1024"  # SpecExec budgets, comma-separated
+    budgets: str = "1,16,64,256,1024,auto"  # SpecExec budgets, comma-separated
     max_depth: int = specexec.Options.max_depth  # tree depth; also the chains' length
     temperature: float = 0.6  # the sampled half of the table
     top_p: float = 0.9
@@ -117,7 +118,7 @@ class Row:
 
     setting: str  # "greedy" or "sampled"
     method: str
-    budget: int | None = None  # SpecExec's budget; None for the other methods
+    budget: int | str | None = None  # SpecExec's budget ("auto" too); None for the others
     outputs: list = field(default_factory=list)  # new tokens per prompt
     tokens: int = 0
     target_passes: int = 0
@@ -126,6 +127,7 @@ class Row:
     target_s: float = 0.0  # inside the target's forward
     verified: int = 0  # tokens fed to the target beyond the prompt: roots and trees
     exact: str = ""
+    choices: str = ""  # budget auto: the (budget, depth) it chose most, and how often
 
     tokens_per_pass = property(lambda self: self.tokens / max(1, self.target_passes))
     rate = property(lambda self: self.tokens / self.seconds)
@@ -184,10 +186,14 @@ def table_rows(cfg, target, hf_target, draft, prompt_ids, eos, meters, sampled):
         )  # (1, len(ids) + new)
         return out[0, len(ids) :].tolist(), 0  # what HF feeds the target is not recorded
 
-    def speculative(budget, **shape):
+    def speculative(budget, chosen=None, **shape):
+        """SpecExec at a budget; a list `chosen` collects each step's (budget, depth)."""
+
         def run(i, ids):
             options = dict(budget=budget, max_depth=cfg.max_depth, seed=cfg.seed + i) | shape
             tokens, stats = specexec.generate(target, draft, ids, **ours, **options)
+            if chosen is not None:
+                chosen.extend(stats.choices)
             return tokens, stats.steps + sum(stats.tree_sizes)  # roots and trees
 
         return run
@@ -202,9 +208,14 @@ def table_rows(cfg, target, hf_target, draft, prompt_ids, eos, meters, sampled):
             meters,
         ),
     ]
-    for budget in [int(b) for b in cfg.budgets.split(",")]:
-        run = speculative(budget)
-        rows.append(measure(Row(setting, "SpecExec", budget), run, prompt_ids, meters))
+    for budget in [b if b == "auto" else int(b) for b in cfg.budgets.split(",")]:
+        chosen = []
+        run = speculative(budget, chosen)
+        row = measure(Row(setting, "SpecExec", budget), run, prompt_ids, meters)
+        if budget == "auto":
+            (b, depth), n = Counter(chosen).most_common(1)[0]
+            row.choices = f"budget {b}, depth {depth} in {n} of {len(chosen)} steps"
+        rows.append(row)
     # exactness: against the autoregressive row, the target's own greedy decoding or sample
     for row in rows[1:]:
         row.exact = "yes" if row.outputs == rows[0].outputs else "NO"
@@ -315,7 +326,7 @@ def project(cfg, rows, per_layer):
         for variant, compute in computes.items():
             rate = row.tokens_per_pass / (pass_s(n, compute) + overhead)
             speedup = rate / base.setdefault(variant, rate)
-            if row.budget:
+            if row.budget and row.budget != "auto":
                 best[variant] = max(best.get(variant, (0, 0)), (speedup, row.budget))
             cells.append(f"{rate:.3f} | {speedup:.2f}x")
         lines.append(
@@ -355,13 +366,13 @@ def save_plot(rows, path, title):
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.4), dpi=80)
     for setting, colour in (("greedy", "C0"), ("sampled", "C1")):
-        spec = [r for r in rows if r.setting == setting and r.budget]
-        others = [r for r in rows if r.setting == setting and not r.budget]
+        spec = [r for r in rows if r.setting == setting and r.budget and r.budget != "auto"]
+        others = [r for r in rows if r.setting == setting and r.budget in (None, "auto")]
         budgets = [r.budget for r in spec]
         for ax, value in zip(axes, ("tokens_per_pass", "rate")):
             ax.plot(budgets, [getattr(r, value) for r in spec], "o-", color=colour,
                     label=f"SpecExec, {setting}")  # fmt: skip
-            for other, style in zip(others, (":", "--", "-.")):
+            for other, style in zip(others, (":", "--", "-.", (0, (5, 1)))):
                 ax.axhline(getattr(other, value), color=colour, linestyle=style, linewidth=1,
                            label=f"{other.method.split(',')[0]}, {setting}")  # fmt: skip
     for ax, label in zip(axes, ("tokens per target pass", "tokens/s (wall clock)")):
@@ -461,6 +472,14 @@ def run(cfg):
     if 1024 in by_budget:
         share = by_budget[1024].other_s / by_budget[1024].seconds
         print(f"- not a model pass, share of a step at budget 1024: {share:.1%} (goal < 10%)")
+    for setting in ("greedy", "sampled"):
+        mine = [r for r in rows if r.setting == setting]
+        fixed = max((r for r in mine if r.budget and r.budget != "auto"), key=lambda r: r.rate)
+        for auto in (r for r in mine if r.budget == "auto"):
+            over_plain = auto.rate / mine[0].rate
+            print(f"- {setting}, budget auto: {auto.rate / fixed.rate:.0%} of the best fixed "
+                  f"budget's tokens/s ({fixed.budget}; goal >= 90%), {over_plain:.2f}x plain "
+                  f"decoding (goal >= 0.95x); chose {auto.choices}")  # fmt: skip
 
     if cfg.projection_layers:
         print_projection(cfg, greedy)
