@@ -530,8 +530,8 @@ def speculative_step(
     budget 0 is plain decoding: no tree, no draft pass (the draft's cache then lags behind
     `seq`, and its next tree's trunk catches it up).
     """
-    budget, depth = cost.choose() if cost else (opts.budget, opts.max_depth)
     started, draft_s, target_s = time.perf_counter(), stats.time_draft, stats.time_target
+    budget, depth = cost.choose() if cost else (opts.budget, opts.max_depth)
     draft_passes = stats.draft_passes
     with timer(stats, "time_draft", draft.device), cpu_threads(opts.draft_threads, draft.device):
         if budget:
@@ -564,7 +564,7 @@ def speculative_step(
         draft_s, target_s = stats.time_draft - draft_s, stats.time_target - target_s
         other_s = time.perf_counter() - started - draft_s - target_s
         passes = stats.draft_passes - draft_passes
-        cost.observe(n_fed, target_s, draft_s / max(1, passes), other_s, tree, kept, path)
+        cost.observe(n_fed, target_s, draft_s / max(1, passes), other_s, tree, kept, path, depth)
     return [tree.tokens[node] for node in path] + [bonus]
 
 
@@ -586,42 +586,53 @@ class CostModel:
 
     The cost is measured as the run goes: t_target(n), the seconds of a target pass over n
     tokens, at each size run so far, and on straight lines between and beyond them; t_draft,
-    one draft pass; t_other, the rest of a step. A tree at most twice the largest pass run so
-    far is a candidate, so auto learns the cost of bigger trees one doubling at a time. The
-    gain is predicted from the tree the draft built last step: 1 (the bonus token) plus, for
-    each node of the tree of the b best nodes no deeper than d, the chance that the target
-    follows the path to it, read off how often nodes of about that draft path probability
-    were followed so far. Budget 0 is
-    plain decoding (E = 1, no draft pass); after `PLAIN_STEPS` of those in a row, one tree
-    step looks at the draft's predictions again.
+    one draft pass; t_other, the rest of a step (this choice included). The first pass, which
+    also reads the prompt, is not a tree's cost. A tree up to `GROWTH` times the largest run so
+    far is a candidate, so auto learns the cost of bigger trees a few sizes at a time.
+
+    The gain is predicted from the trees the draft built: for the tree of the b best nodes no
+    deeper than d, 1 (the bonus token) plus, for each node, the chance that the target follows
+    the path to it, read off how often nodes of about that draft path probability were followed
+    so far; averaged over recent steps. Budget 0 is plain decoding (E = 1, no draft pass);
+    after `PLAIN_STEPS` of those in a row, one tree step looks at the draft's predictions
+    again. Every `DEEPEN_EVERY` tree steps whose tree reaches its depth limit, the search goes
+    one level deeper, so that auto can see whether a deeper tree pays.
     """
 
     max_depth: int
-    budget: int = 64  # the first step's, before anything is measured
-    depth: int = 8
+    budget: int = 8  # the first steps' (and depth: max_depth), before anything is measured
+    depth: int | None = None
     target_s: dict = field(default_factory=dict)  # tokens fed -> seconds of the pass
-    draft_s: float | None = None  # seconds per draft pass
+    draft_s: float = 0.0  # seconds per draft pass
     other_s: float = 0.0
     followed: list = field(default_factory=lambda: [0] * 40)  # per bin of cum_logprob
     seen: list = field(default_factory=lambda: [0] * 40)
-    tree: DraftTree | None = None  # the last tree the draft grew
-    plain_steps: int = 0
+    gains: dict = field(default_factory=dict)  # (budget, depth) -> (E[tokens], passes)
+    steps: int = 0
+    tree_steps: int = 0
+    plain_steps: int = 0  # in a row
 
     BUDGETS = tuple(2**k for k in range(11))  # 1 .. 1024: the tree sizes auto considers
     DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-    PLAIN_STEPS = 8
+    GROWTH, PLAIN_STEPS, DEEPEN_EVERY = 4, 8, 4
 
-    def observe(self, n_fed, target_s, draft_pass_s, other_s, tree, kept, path):
-        """What a step cost, and which of its tree's nodes the target followed."""
-        self.target_s[n_fed] = running_mean(self.target_s.get(n_fed), target_s)
-        self.other_s = running_mean(self.other_s, other_s)
-        if kept:
-            self.draft_s = running_mean(self.draft_s, draft_pass_s)
-            self.tree = tree
-            for node in kept:
-                self.seen[self.bin(tree.cum_logprob[node])] += 1
-                self.followed[self.bin(tree.cum_logprob[node])] += node in path
+    def observe(self, n_fed, target_s, draft_pass_s, other_s, tree, kept, path, depth):
+        """What a step cost, and which nodes of its tree (searched to `depth`) were followed."""
+        if self.steps:  # the first pass reads the prompt too
+            self.target_s[n_fed] = running_mean(self.target_s.get(n_fed), target_s)
+        self.other_s = running_mean(self.other_s if self.steps else None, other_s)
+        self.steps += 1
         self.plain_steps = 0 if kept else self.plain_steps + 1
+        if not kept:
+            return
+        self.tree_steps += 1
+        self.draft_s = running_mean(self.draft_s if self.tree_steps > 1 else None, draft_pass_s)
+        for node in kept:
+            self.seen[self.bin(tree.cum_logprob[node])] += 1
+            self.followed[self.bin(tree.cum_logprob[node])] += node in path
+        for choice, (gain, passes) in self.tree_gains(tree, depth).items():
+            old_gain, old_passes = self.gains.get(choice, (None, None))
+            self.gains[choice] = running_mean(old_gain, gain), running_mean(old_passes, passes)
 
     def bin(self, cum_logprob):
         """Half-nat bins of the draft's path log-probability (at the tree's temperature)."""
@@ -632,6 +643,23 @@ class CostModel:
         draft's own probability."""
         b = self.bin(cum_logprob)
         return (self.followed[b] + math.exp(cum_logprob)) / (self.seen[b] + 1)
+
+    def tree_gains(self, tree, max_depth):
+        """E[tokens] and draft passes of each (budget, depth) that a tree searched to max_depth
+        can show. The tree of the b best nodes no deeper than d is the first b of them, best
+        first; a search for it needs as many draft passes as it is deep."""
+        ranked = sorted(range(1, len(tree.tokens)), key=tree.key)  # best first
+        gains = {}
+        for depth in (d for d in self.DEPTHS if d <= max_depth):
+            gain, deepest, b = 1.0, 0, 0
+            for node in (node for node in ranked if tree.depth[node] <= depth):
+                b, gain = b + 1, gain + self.follow_rate(tree.cum_logprob[node])
+                deepest = max(deepest, tree.depth[node])
+                if b in self.BUDGETS:
+                    gains[(b, depth)] = gain, deepest
+                if b == self.BUDGETS[-1]:
+                    break
+        return gains
 
     def t_target(self, n):
         """Seconds of a target pass over n tokens: between two sizes run, on the line between
@@ -645,39 +673,26 @@ class CostModel:
         return max(seconds, t1) if n > n1 else max(seconds, 0.0)
 
     def rates(self):
-        """Predicted tokens/s of each (budget, depth), and the depth its tree reaches.
-
-        Budget 0 is no tree. The tree of the b best nodes no deeper than d is the first b of
-        them, best first; a search for it needs as many draft passes as it is deep.
-        """
-        rates = {(0, 0): (1 / (self.t_target(1) + self.other_s), 0)}
-        tree = self.tree
-        for depth in (d for d in self.DEPTHS if d <= self.max_depth):
-            nodes = sorted(
-                (node for node in range(1, len(tree.tokens)) if tree.depth[node] <= depth),
-                key=tree.key,
-            )
-            gain, deepest = 1.0, 0
-            for b, node in enumerate(nodes, 1):
-                gain += self.follow_rate(tree.cum_logprob[node])
-                deepest = max(deepest, tree.depth[node])
-                if b in self.BUDGETS and b < 2 * max(self.target_s):  # one doubling at a time
-                    seconds = deepest * self.draft_s + self.t_target(b + 1) + self.other_s
-                    rates[(b, depth)] = (gain / seconds, deepest)
+        """Predicted tokens per second of each (budget, depth); budget 0 is no tree."""
+        rates = {(0, 0): 1 / (self.t_target(1) + self.other_s)}
+        largest = max(self.target_s)
+        for (b, depth), (gain, passes) in self.gains.items():
+            if b < self.GROWTH * largest:
+                seconds = passes * self.draft_s + self.t_target(b + 1) + self.other_s
+                rates[(b, depth)] = gain / seconds
         return rates
 
     def choose(self):
         """This step's (budget, depth)."""
-        if self.tree is None:
-            return self.budget, min(self.depth, self.max_depth)
+        if not (self.gains and self.target_s):  # nothing measured yet
+            return self.budget, self.max_depth
         rates = self.rates()
         if self.plain_steps >= self.PLAIN_STEPS:  # look at the draft again
             rates.pop((0, 0))
-        (self.budget, self.depth), (_, deepest) = max(rates.items(), key=lambda kv: kv[1][0])
-        # A tree that reaches its depth limit may gain from going deeper, which the last tree
-        # cannot show: the search then goes one level further, and the next choice sees it.
-        grow = self.budget and deepest == self.depth < self.max_depth
-        return self.budget, self.depth + grow
+        self.budget, self.depth = max(rates, key=rates.get)
+        reaches_limit = self.budget and self.gains[(self.budget, self.depth)][1] >= self.depth
+        deeper = reaches_limit and self.tree_steps % self.DEEPEN_EVERY == 0
+        return self.budget, min(self.depth + deeper, self.max_depth)
 
 
 # ---- generation loop ----

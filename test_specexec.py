@@ -398,22 +398,28 @@ def test_cost_model_chooses_the_most_tokens_per_second(target_s, draft_s, chosen
     """E[tokens](b, d) / (d * t_draft + t_target(b + 1) + t_other), with a sure chain of 32
     (every node's draft path probability near 1, nothing observed yet: the prior's rates)."""
     cost = specexec.CostModel(max_depth=32, target_s=target_s, draft_s=draft_s)
-    cost.tree = chain_tree(32, logprob=-0.001)
+    cost.gains = cost.tree_gains(chain_tree(32, logprob=-0.001), max_depth=32)
+    assert set(cost.gains) == {(b, d) for d in cost.DEPTHS for b in cost.BUDGETS if b <= min(d, 32)}
     rates = cost.rates()
-    assert max(rates, key=lambda choice: rates[choice][0]) == chosen
+    assert max(rates, key=rates.get) == chosen
     gain = 1 + sum(math.exp(-0.001 * depth) for depth in range(1, 17))
-    expected = gain / (16 * draft_s + cost.t_target(17))
-    assert rates[(16, 16)][0] == pytest.approx(expected)
+    assert rates[(16, 16)] == pytest.approx(gain / (16 * draft_s + cost.t_target(17)))
     assert cost.choose() == chosen
 
 
-def test_cost_model_reads_follow_rates_off_what_the_target_followed():
+def test_cost_model_learns_from_what_the_target_followed():
     cost = specexec.CostModel(max_depth=8)
+    assert cost.choose() == (cost.budget, 8)  # nothing measured: the first steps'
     tree = chain_tree(4, logprob=-1.0)  # bins 2, 4, 6, 8 (half nats)
-    cost.observe(5, 1.0, 0.01, 0.0, tree, kept=[1, 2, 3, 4], path=[1, 2])
-    assert cost.follow_rate(-1.0) == pytest.approx((1 + math.exp(-1)) / 2)  # followed
-    assert cost.follow_rate(-3.0) == pytest.approx((0 + math.exp(-3)) / 2)  # not followed
-    assert cost.target_s == {5: 1.0} and cost.draft_s == 0.01
+    cost.observe(100, 9.0, 0.01, 0.0, tree, kept=[1, 2, 3, 4], path=[1, 2], depth=8)
+    assert cost.target_s == {}  # the first pass read the prompt too: no tree's cost
+    cost.observe(5, 1.0, 0.01, 0.0, tree, kept=[1, 2, 3, 4], path=[1, 2], depth=8)
+    assert cost.target_s == {5: 1.0} and cost.draft_s == pytest.approx(0.01)
+    assert cost.follow_rate(-1.0) == pytest.approx((2 + math.exp(-1)) / 3)  # followed twice
+    assert cost.follow_rate(-3.0) == pytest.approx((0 + math.exp(-3)) / 3)  # never followed
+    gain, passes = cost.gains[(4, 4)]
+    rates = [cost.follow_rate(-1.0 * depth) for depth in range(1, 5)]
+    assert passes == 4 and gain == pytest.approx(1 + sum(rates), rel=0.2)  # a running mean
 
 
 def reference_probs(logits, temperature, top_k, top_p):
