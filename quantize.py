@@ -29,6 +29,7 @@ KINDS = ("int8", "int4")
 QMAX = {"int8": 127, "int4": 7}  # largest level; levels are symmetric around 0
 GROUP = 64  # int4: inputs of a row that share one scale
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS += ("qkv_proj", "gate_up_proj")  # Phi-3's fused projections
 
 
 def is_weight(name: str) -> bool:
