@@ -590,7 +590,8 @@ def dequantized(model, kind):
     model = copy.deepcopy(model)
     for name, weight in model.named_parameters():
         if name.startswith("model.layers.") and quantize.is_weight(name):
-            weight.copy_(quantize.dequantize(*quantize.quantize(weight, kind, weight.dtype), kind))
+            levels, scale = quantize.quantize(weight, kind, weight.dtype)
+            weight.copy_(quantize.dequantize(levels, scale, kind).view_as(weight))
     return model
 
 
@@ -605,12 +606,13 @@ def test_quantized_logits_match_dequantized_model(quant_checkpoints, family, mod
     test_logits_match_in_memory_model(oracle, family, mode, attention, tmp_path, kind=kind)
 
 
-def test_quantized_layers_move_fewer_bytes(quant_checkpoints, tmp_path, capsys):
+@pytest.mark.parametrize("family", ["llama", "mixtral"])  # mixtral: its experts quantized too
+def test_quantized_layers_move_fewer_bytes(quant_checkpoints, tmp_path, capsys, family):
     """ssd + quantize converts once, into a folder and manifest that name the quantization;
     a pass moves the quantized bytes: int4 < int8 < float32."""
     import json
 
-    folder, _ = quant_checkpoints["llama"]
+    folder, _ = quant_checkpoints[family]
     moved = {}
     for kind in (None, "int8", "int4"):
         for mode in ("ram", "ssd"):
