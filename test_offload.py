@@ -894,3 +894,16 @@ def test_real_shapes_generate_with_offloaded_target(real_checkpoints, name):
     with offload.from_pretrained(folder, mode="ram", device="cpu") as target:
         tokens, _ = specexec.generate(target, draft, prompt, **options)
     assert tokens == expected and len(tokens) == 30
+
+
+def test_readme_table_of_families_is_what_the_tests_cover():
+    """README's "Supported families" lists the families that REAL_SHAPES (in memory and
+    offloaded) and CONFIGS (offloaded: ram and ssd, sdpa and eager, int8 and int4) both test."""
+    import re
+
+    readme = (Path(__file__).parent / "README.md").read_text()
+    section = readme[readme.index("## Supported families") :].split("\n## ")[0]
+    listed = set(re.findall(r"^\| `(\w+)` \|", section, re.M))
+    shaped = {options["model_type"] for options in REAL_SHAPES.values()}
+    configs = {make_config().model_type for make_config in CONFIGS.values()}
+    assert listed == shaped == configs

@@ -121,10 +121,13 @@ def test_mask_of_the_new_rows_is_the_last_rows_of_the_whole_mask(parents, n_cach
 )
 def test_tree_logits_equal_per_path_forwards(family, prefix, parents, data):
     """One tree-masked pass gives every node the logits of running its path on its own."""
+    tokens = data.draw(st.lists(st.integers(0, 63), min_size=len(parents), max_size=len(parents)))
+    check_tree_logits(tiny_model(family), prefix, tokens, parents)
+
+
+def check_tree_logits(model, prefix, tokens, parents):
     from transformers import DynamicCache
 
-    model = tiny_model(family)
-    tokens = data.draw(st.lists(st.integers(0, 63), min_size=len(parents), max_size=len(parents)))
     cache = DynamicCache()
     with torch.no_grad():
         specexec.tree_forward(model, cache, prefix, specexec.chain(len(prefix)))
@@ -132,7 +135,7 @@ def test_tree_logits_equal_per_path_forwards(family, prefix, parents, data):
     for i in range(len(parents)):
         path = [tokens[j] for j in reversed(ancestors(parents, i))]
         expected = fresh_logits(model, prefix + path)
-        torch.testing.assert_close(tree_logits[i], expected, rtol=1e-9, atol=1e-9)
+        torch.testing.assert_close(tree_logits[i], expected, **tolerance(model))
 
 
 # ---- draft tree ----
@@ -763,6 +766,19 @@ def test_real_shapes_keep_their_options():
     assert experts.gate_up_proj.shape == (8, 2 * 64, 32) and experts.down_proj.shape == (8, 32, 64)
     for name in REAL_SHAPES:
         assert specexec.context_length(real_model(name).config) == 128
+
+
+@pytest.mark.parametrize("name", REAL_SHAPES)
+@settings(max_examples=3, **SETTINGS)
+@given(
+    prefix=st.lists(st.integers(0, 96), min_size=1, max_size=32),  # up to past the windows
+    parents=random_parents(max_nodes=12),
+    data=st.data(),
+)
+def test_real_shapes_tree_logits_equal_per_path_forwards(name, prefix, parents, data):
+    """test_tree_logits_equal_per_path_forwards on each real shape: every layer type's mask."""
+    tokens = data.draw(st.lists(st.integers(0, 96), min_size=len(parents), max_size=len(parents)))
+    check_tree_logits(real_model(name), prefix, tokens, parents)
 
 
 @pytest.mark.parametrize("name", REAL_SHAPES)
