@@ -234,9 +234,10 @@ class Checkpoint:
 
     def spec(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
         """Stored dtype and shape of one tensor."""
-        if name in self.sources:  # converted on meta tensors: shapes and dtype, no bytes
+        if name in self.sources:  # built by a rule: its sources' dtype, its shape from meta ones
+            first_source = self.sources[name][1][0][0]
             found = self.convert(name, lambda key: torch.empty(self.spec(key)[1], device="meta"))
-            return self.spec(self.sources[name][1][0][0])[0], tuple(found.shape)
+            return self.spec(first_source)[0], tuple(found.shape)
         if name in self.entries:
             return self.entries[name].dtype, self.entries[name].shape
         if name in self.mapped:
