@@ -501,7 +501,7 @@ def from_pretrained(
     buffers: int = 2,
     quantize: str | None = None,
 ) -> OffloadedCausalLM:
-    """An offloaded causal LM from a model folder or hub id of the Llama family.
+    """An offloaded causal LM from a model folder or hub id (decoder layers at `model.layers`).
 
     mode "ram": every layer in one host arena; "ssd": layers read from safetensors every pass
     (the checkpoint's own files when their dtype fits, else a per-layer copy made in offload_dir,
@@ -525,16 +525,23 @@ def from_pretrained(
             raise OffloadError(f"offload runs on cpu or an available cuda device, not {device}")
         ops = Cuda(device) if device.type == "cuda" else Cpu()
     folder = files.find_folder(str(name_or_path))
-    config, generation = files.load_configs(folder)  # refuses unsupported families
+    config, generation = files.load_configs(folder)  # refuses what a tree pass cannot run
     ckpt = files.Checkpoint(folder)
-    dtype = files.as_dtype(dtype) or ckpt.spec("model.layers.0.self_attn.q_proj.weight")[0]
+    dtype = files.as_dtype(dtype) or ckpt.layer_dtype()
     check_dtype_runs(ops.device, dtype)
 
     # the skeleton on meta costs nothing; only the parts that stay on the device get real tensors
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    shapes = {name: tuple(p.shape) for name, p in hf.model.layers[0].named_parameters()}
-    ckpt.check_layers(shapes, config.num_hidden_layers)  # all there, right shapes, before big reads
+    shapes = ckpt.check_layers(hf)  # every layer's tensors there, right shapes, before big reads
+    # buffers (rotary frequencies, Gemma's embedding scale) are computed, not stored: give them
+    # memory on the device and let the model's own initializer compute them, while the
+    # parameters are still meta (it would overwrite loaded ones)
+    for name, buffer in list(hf.named_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        hf.get_submodule(owner)._buffers[leaf] = torch.empty_like(buffer, device=ops.device)
+    for owner in {name.rpartition(".")[0] for name, _ in hf.named_buffers()}:
+        hf._init_weights(hf.get_submodule(owner))
     resident = {
         name: ckpt.tensor(name, p.shape).to(device=ops.device, dtype=dtype)
         for name, p in hf.named_parameters()
@@ -543,8 +550,6 @@ def from_pretrained(
     hf.load_state_dict(resident, strict=False, assign=True)
     if getattr(hf.config, "tie_word_embeddings", False):
         hf.lm_head.weight = hf.model.embed_tokens.weight
-    # rotary frequencies are computed, not stored: build them again, off the meta device
-    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf.config).to(ops.device)
     if generation is not None:
         hf.generation_config = generation
     hf.requires_grad_(False).eval()

@@ -5,11 +5,13 @@ memory-mapped from a .bin shard); `convert` writes the per-layer safetensors cop
 tier reads when the checkpoint's own files cannot be read as they are (another dtype, .bin).
 """
 
+import copy
 import hashlib
 import json
 import os
 import sys
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -78,15 +80,16 @@ def find_folder(name_or_path: str) -> Path:
     return folder
 
 
-# Decoder-only families whose Hugging Face models take a 4D float mask as given (config.model_type).
-SUPPORTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-
-
 def load_configs(folder: Path):
     """The model's config, and its generation config (eos ids etc.) where the folder has one.
 
-    The one place that decides which families are supported, for the CLI and the offloader."""
+    The one place that decides which models are supported, for the CLI and the offloader: a
+    causal LM of transformers whose layers a tree pass can run, as `specexec.listen_to_layers`
+    checks on the model itself (attention that takes a 4D mask, a cache of keys and values)."""
     from transformers import AutoConfig, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    import specexec
 
     try:
         config = AutoConfig.from_pretrained(folder)
@@ -95,11 +98,12 @@ def load_configs(folder: Path):
             generation = GenerationConfig.from_pretrained(folder)
     except (OSError, ValueError, KeyError) as err:
         raise OffloadError(f"{folder}: cannot load its config ({first_line(err)})") from None
-    if config.model_type not in SUPPORTED_FAMILIES:
-        raise OffloadError(
-            f"{folder}: model family {config.model_type!r} is not supported; supported: "
-            f"{', '.join(SUPPORTED_FAMILIES)} (Llama, Mistral, Qwen2/3, SmolLM, TinyLlama)"
-        )
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise OffloadError(f"{folder}: {config.model_type!r} is no causal LM of transformers")
+    try:
+        specexec.listen_to_layers(config)
+    except specexec.SpecExecError as err:
+        raise OffloadError(f"{folder}: {err}") from None
     return config, generation
 
 
@@ -155,6 +159,7 @@ class Checkpoint:
         self.folder, self.shards = folder, []
         self.entries: dict[str, Entry] = {}  # safetensors: where each tensor's bytes are
         self.mapped: dict[str, torch.Tensor] = {}  # .bin: tensors memory-mapped by torch.load
+        self.sources: dict[str, tuple] = {}  # model name -> how it is built (`name_as`)
         for weights in ("model.safetensors", "pytorch_model.bin"):
             index = folder / f"{weights}.index.json"
             if index.exists():
@@ -180,8 +185,59 @@ class Checkpoint:
                 return
         raise OffloadError(f"no model.safetensors or pytorch_model.bin weights in {folder}")
 
+    def name_as(self, model) -> None:
+        """Serve tensors under `model`'s names where transformers renames them while loading.
+
+        A mixture of experts is stored one matrix per expert (Mixtral's experts.3.w1.weight);
+        transformers 5 holds one stacked tensor per projection (experts.gate_up_proj: experts x
+        (gate; up) x hidden) and converts as it loads, by rules it keeps per family. We follow
+        the same rules, one layer at a time: `tensor` builds a stacked tensor from its sources.
+        """
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            WeightConverter,
+            dot_natural_key,
+            rename_source_key,
+        )
+
+        rules = get_model_conversion_mapping(model)
+        converters = [rule for rule in rules if isinstance(rule, WeightConverter)]
+        renamings = [rule for rule in rules if not isinstance(rule, WeightConverter)]
+        for key in sorted([*self.entries, *self.mapped], key=dot_natural_key):  # expert 2 < 10
+            name, pattern = rename_source_key(key, renamings, converters)
+            if name != key:  # model name -> (its rule, [(stored name, the rule's pattern)])
+                rule = next((c for c in converters if pattern in c.source_patterns), None)
+                self.sources.setdefault(name, (rule, []))[1].append((key, pattern))
+
+    def stored(self, name: str) -> torch.Tensor:
+        """One tensor as the checkpoint stores it, on the host."""
+        if name in self.mapped:
+            return self.mapped[name]
+        if name not in self.entries:
+            raise OffloadError(f"{self.folder}: the checkpoint has no tensor {name}")
+        entry = self.entries[name]
+        found = torch.empty(entry.end - entry.start, dtype=torch.uint8)  # (nbytes,)
+        with open(entry.path, "rb") as file:
+            pread_into(file.fileno(), found, entry.start, entry.path)
+        return found.view(entry.dtype).view(entry.shape)
+
+    def convert(self, name: str, load) -> torch.Tensor:
+        """Model tensor `name` built by its transformers rule from `load(stored name)` of each
+        source (a rename only: the one source as it is)."""
+        rule, sources = self.sources[name]
+        if rule is None:
+            return load(sources[0][0])
+        rule = copy.deepcopy(rule)  # a rule collects the tensors it is given
+        for key, pattern in sources:
+            rule.add_tensor(name, key, pattern, partial(load, key))
+        return rule.convert(name)[name]
+
     def spec(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
         """Stored dtype and shape of one tensor."""
+        if name in self.sources:  # built by a rule: its sources' dtype, its shape from meta ones
+            first_source = self.sources[name][1][0][0]
+            found = self.convert(name, lambda key: torch.empty(self.spec(key)[1], device="meta"))
+            return self.spec(first_source)[0], tuple(found.shape)
         if name in self.entries:
             return self.entries[name].dtype, self.entries[name].shape
         if name in self.mapped:
@@ -192,22 +248,31 @@ class Checkpoint:
         if (found := self.spec(name)[1]) != tuple(shape):
             raise OffloadError(f"{self.folder}: {name} has shape {found}, config wants {shape}")
 
-    def check_layers(self, shapes: dict[str, tuple[int, ...]], n_layers: int) -> None:
-        """Every decoder layer's tensors are there with the shapes the config wants."""
-        for i in range(n_layers):
+    def check_layers(self, model) -> dict[str, tuple[int, ...]]:
+        """What a decoder layer of `model` (a meta skeleton) holds, name -> shape, once every
+        layer's tensors were found with those shapes; offload streams them from one slot."""
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if not isinstance(layers, torch.nn.ModuleList):
+            family = model.config.model_type
+            raise OffloadError(f"{self.folder}: {family} has no decoder layers at model.layers")
+        self.name_as(model)  # a mixture's experts: stored one by one, stacked in the model
+        shapes = {name: tuple(p.shape) for name, p in layers[0].named_parameters()}
+        for i in range(len(layers)):
             for name, shape in shapes.items():
                 self.check(f"model.layers.{i}.{name}", shape)
+        return shapes
 
     def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """One tensor on the host, in its stored dtype."""
+        """One tensor on the host, in its stored dtype; the model's name (see `name_as`)."""
         self.check(name, tuple(shape))
-        if name in self.mapped:
-            return self.mapped[name]
-        entry = self.entries[name]
-        found = torch.empty(entry.end - entry.start, dtype=torch.uint8)  # (nbytes,)
-        with open(entry.path, "rb") as file:
-            pread_into(file.fileno(), found, entry.start, entry.path)
-        return found.view(entry.dtype).view(entry.shape)
+        return self.convert(name, self.stored) if name in self.sources else self.stored(name)
+
+    def layer_dtype(self) -> torch.dtype:
+        """The dtype decoder layer 0 is stored in: that of its first tensor."""
+        names = sorted(n for n in [*self.entries, *self.mapped] if n.startswith("model.layers.0."))
+        if not names:
+            raise OffloadError(f"{self.folder}: no decoder layers at model.layers to stream")
+        return self.spec(names[0])[0]
 
     def layer(self, i: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
         """Decoder layer i's tensors, by their names inside the layer, in their stored dtypes."""

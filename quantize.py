@@ -29,12 +29,15 @@ KINDS = ("int8", "int4")
 QMAX = {"int8": 127, "int4": 7}  # largest level; levels are symmetric around 0
 GROUP = 64  # int4: inputs of a row that share one scale
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEARS += ("qkv_proj", "gate_up_proj")  # Phi-3's fused projections
 
 
 def is_weight(name: str) -> bool:
-    """A linear layer's weight ("mlp.up_proj.weight"): quantized. Norms and biases are not."""
+    """A linear layer's weight ("mlp.up_proj.weight"), or a mixture's experts stacked as
+    transformers 5 holds them ("mlp.experts.down_proj": experts x out x in, each expert's rows
+    quantized as a linear's): quantized. Norms, biases and the router are not."""
     module, _, leaf = name.rpartition(".")
-    return leaf == "weight" and module.rpartition(".")[2] in LINEARS
+    return module.rpartition(".")[2] in LINEARS if leaf == "weight" else leaf in LINEARS
 
 
 # ---- quantize: float weights to levels and scales ----
@@ -42,7 +45,9 @@ def is_weight(name: str) -> bool:
 
 def quantize(weight: torch.Tensor, kind: str, dtype: torch.dtype):
     """(out, in) weight -> levels (int8 (out, in) | uint8 (out, in // 2)) and scales in `dtype`
-    (int8: (out,); int4: (out, in // GROUP)). Works on meta tensors too: the stored layout."""
+    (int8: (out,); int4: (out, in // GROUP)). Works on meta tensors too: the stored layout.
+    Stacked experts (experts, out, in) are quantized as (experts * out, in)."""
+    weight = weight.flatten(0, -2)  # (out, in)
     rows, cols = weight.shape
     if kind == "int4" and cols % GROUP:
         raise OffloadError(f"int4 quantizes groups of {GROUP} inputs; a weight has {cols} inputs")
@@ -83,7 +88,7 @@ def dequantize(levels: torch.Tensor, scale: torch.Tensor, kind: str, out=None) -
         out = torch.empty(rows, cols, dtype=scale.dtype, device=scale.device)  # (out, in)
     grouped = out.view(rows, scale.numel() // rows, -1)  # (out, groups, group size)
     if kind == "int8":
-        out.copy_(levels)  # integers to floats: exact
+        out.view(rows, cols).copy_(levels)  # integers to floats: exact; out may be stacked
     else:  # low nibbles into the even inputs, high into the odd: no unpacked temporary
         pairs = out.view(rows, cols // 2, 2)  # (out, in // 2, 2)
         pairs[..., 0].copy_(levels & 15)

@@ -94,16 +94,19 @@ def rejected_by_options(**options):
 def test_bad_options_fail_in_one_line(tmp_path):
     good = save_tiny(tmp_path / "good")
     other = save_tiny(tmp_path / "other", vocab_words=[f"v{i}" for i in range(64)])
-    gpt2 = tmp_path / "gpt2"
-    gpt2.mkdir()
-    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    mamba, no_window = tmp_path / "mamba", tmp_path / "no_window"  # refused by a check
+    mamba.mkdir()
+    (mamba / "config.json").write_text(json.dumps({"model_type": "mamba", "num_hidden_layers": 2}))
+    shutil.copytree(good, no_window)
+    edit_json(no_window / "config.json", model_type="mistral", sliding_window=0)
     pair = ["--target", good, "--draft", good, "--prompt", "w1 w2"]
     offline = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     no_hub = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}  # refused
     cases = [
         (["--target", str(tmp_path / "missing"), "--draft", good], "no such model folder"),
         (["--target", good, "--draft", other], "tokenizers differ"),
-        (["--target", str(gpt2), "--draft", good], "family 'gpt2' is not supported"),
+        (["--target", str(mamba), "--draft", good], "mamba is not supported: layer 0 keeps a"),
+        (["--target", str(no_window), "--draft", good], "a sliding window of 0 lets a token see"),
         ([*pair, "--budget", "0"], "budget must be at least 1"),
         ([*pair, "--max-depth", "0"], "max_depth must be at least 1"),
         ([*pair, "--budget", "many"], "argument --budget: 'many' is neither an integer nor auto"),

@@ -25,11 +25,19 @@ from hypothesis import given, settings
 from transformers import (
     AutoModelForCausalLM,
     DynamicCache,
+    Gemma2Config,
+    Gemma3TextConfig,
     GPT2Config,
+    GraniteConfig,
     LlamaConfig,
+    MambaConfig,
     MistralConfig,
+    MixtralConfig,
+    Olmo2Config,
+    Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    SmolLM3Config,
 )
 
 import offload
@@ -52,7 +60,22 @@ CONFIGS = {
     "qwen2": lambda: Qwen2Config(**SIZES, tie_word_embeddings=True),  # q/k/v biases, tied head
     "qwen3": lambda: Qwen3Config(**SIZES, head_dim=8),  # q/k norms
     "mistral": lambda: MistralConfig(**SIZES, sliding_window=64),  # sliding-window masks
+    # soft-capping, scaled embeddings, norms after attention and MLP, sliding/global layers
+    "gemma2": lambda: Gemma2Config(**SIZES, head_dim=8, sliding_window=64),
+    "gemma3": lambda: Gemma3TextConfig(**SIZES, head_dim=8, sliding_window=64),  # q/k norms
+    "phi3": lambda: Phi3Config(**SIZES, pad_token_id=0),  # fused qkv and gate_up projections
+    "olmo2": lambda: Olmo2Config(**SIZES),  # norms after attention and MLP only
+    "granite": lambda: GraniteConfig(**SIZES, embedding_multiplier=12.0, logits_scaling=16.0),
+    "smollm3": lambda: SmolLM3Config(**SIZES, pad_token_id=0, no_rope_layer_interval=2),
+    "mixtral": lambda: MixtralConfig(**SIZES, num_local_experts=4),  # experts stored apart
 }
+EAGER_ONLY = {"gemma2"}  # soft-capped attention logits, which sdpa cannot do
+
+
+def with_attentions(names):
+    """(name, attention) for each, with sdpa and eager where the family runs both."""
+    return [(name, attention) for name in names for attention in ("sdpa", "eager")
+            if attention == "eager" or name not in EAGER_ONLY]  # fmt: skip
 
 
 # ---- fixtures: tiny checkpoints and their in-memory oracles ----
@@ -113,9 +136,8 @@ def set_attention(model, attention):
 PARENTS = [-1, 0, 0, 1, 1, 2, 3]  # a small tree: root, two children, grandchildren
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("mode", ["ram", "ssd"])
-@pytest.mark.parametrize("family", list(CONFIGS))
+@pytest.mark.parametrize("family, attention", with_attentions(CONFIGS))
 def test_logits_match_in_memory_model(checkpoints, family, mode, attention, tmp_path, kind=None):
     folder, oracle = checkpoints[family]
     oracle = copy.deepcopy(oracle)
@@ -602,7 +624,8 @@ def dequantized(model, kind):
     model = copy.deepcopy(model)
     for name, weight in model.named_parameters():
         if name.startswith("model.layers.") and quantize.is_weight(name):
-            weight.copy_(quantize.dequantize(*quantize.quantize(weight, kind, weight.dtype), kind))
+            levels, scale = quantize.quantize(weight, kind, weight.dtype)
+            weight.copy_(quantize.dequantize(levels, scale, kind).view_as(weight))
     return model
 
 
@@ -613,15 +636,17 @@ def test_quantized_logits_match_dequantized_model(quant_checkpoints, family, mod
     """The check above (prefill, tree-masked steps, kept cache), against the dequantized oracle."""
     folder, model = quant_checkpoints[family]
     oracle = {family: (folder, dequantized(model, kind))}
-    test_logits_match_in_memory_model(oracle, family, mode, "sdpa", tmp_path, kind=kind)
+    (_, attention), *_ = with_attentions([family])  # sdpa where the family has it
+    test_logits_match_in_memory_model(oracle, family, mode, attention, tmp_path, kind=kind)
 
 
-def test_quantized_layers_move_fewer_bytes(quant_checkpoints, tmp_path, capsys):
+@pytest.mark.parametrize("family", ["llama", "mixtral"])  # mixtral: its experts quantized too
+def test_quantized_layers_move_fewer_bytes(quant_checkpoints, tmp_path, capsys, family):
     """ssd + quantize converts once, into a folder and manifest that name the quantization;
     a pass moves the quantized bytes: int4 < int8 < float32."""
     import json
 
-    folder, _ = quant_checkpoints["llama"]
+    folder, _ = quant_checkpoints[family]
     moved = {}
     for kind in (None, "int8", "int4"):
         for mode in ("ram", "ssd"):
@@ -773,10 +798,20 @@ def test_disk_full_during_conversion_leaves_nothing_reusable(tmp_path, monkeypat
         torch.testing.assert_close(model(ids).logits, oracle(ids).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_unsupported_family_says_which_are(tmp_path):
-    GPT2Config(n_layer=2, n_embd=32, n_head=4).save_pretrained(tmp_path)
-    with pytest.raises(offload.OffloadError, match="'gpt2' is not supported; supported: llama"):
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        (GPT2Config(n_layer=2, n_embd=32, n_head=4), "no decoder layers at model.layers"),
+        (MambaConfig(num_hidden_layers=2), "mamba is not supported: layer 0 keeps a"),
+        (MistralConfig(**SIZES, sliding_window=0), "a sliding window of 0 lets a token see"),
+    ],
+)
+def test_what_cannot_run_is_refused_in_one_line(tmp_path, config, message):
+    """Decided by checks of the model: where its layers are, what they keep, how they attend."""
+    save_model(tmp_path, config)
+    with pytest.raises(offload.OffloadError, match=message) as caught:
         offload.from_pretrained(tmp_path, device="cpu")
+    assert "\n" not in str(caught.value)
 
 
 def test_dtype_the_device_cannot_run(checkpoints):
@@ -864,9 +899,8 @@ def real_checkpoints(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("mode", ["ram", "ssd"])
-@pytest.mark.parametrize("name", REAL_SHAPES)
+@pytest.mark.parametrize("name, attention", with_attentions(REAL_SHAPES))
 def test_real_shapes_offloaded_logits_match(real_checkpoints, name, mode, attention, tmp_path):
     """The check above (prefill, then tree-masked steps on a kept cache) on each real shape.
 
@@ -894,3 +928,16 @@ def test_real_shapes_generate_with_offloaded_target(real_checkpoints, name):
     with offload.from_pretrained(folder, mode="ram", device="cpu") as target:
         tokens, _ = specexec.generate(target, draft, prompt, **options)
     assert tokens == expected and len(tokens) == 30
+
+
+def test_readme_table_of_families_is_what_the_tests_cover():
+    """README's "Supported families" lists the families that REAL_SHAPES (in memory and
+    offloaded) and CONFIGS (offloaded: ram and ssd, sdpa and eager, int8 and int4) both test."""
+    import re
+
+    readme = (Path(__file__).parent / "README.md").read_text()
+    section = readme[readme.index("## Supported families") :].split("\n## ")[0]
+    listed = set(re.findall(r"^\| `(\w+)` \|", section, re.M))
+    shaped = {options["model_type"] for options in REAL_SHAPES.values()}
+    configs = {make_config().model_type for make_config in CONFIGS.values()}
+    assert listed == shaped == configs
