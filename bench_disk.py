@@ -253,9 +253,7 @@ def run(cfg, folder):
         start = time.perf_counter()
         grow_target(cfg.target, folder, cfg.layers, cfg.intermediate)
         print(f"grew {cfg.target} into {folder} in {time.perf_counter() - start:.0f} s")
-    read_s, nbytes = raw_read_s(folder)
-    print(f"disk, raw cold read of the {cfg.layers} layers (O_DIRECT): {nbytes / 1e9:.2f} GB in "
-          f"{read_s:.2f} s, {nbytes / 1e9 / read_s:.2f} GB/s")  # fmt: skip
+    read_before, nbytes = raw_read_s(folder)
 
     cpu, float32 = torch.device("cpu"), torch.float32
     target = offload.from_pretrained(folder, mode="ssd", device=cpu, dtype=float32)
@@ -276,6 +274,12 @@ def run(cfg, folder):
     with torch.no_grad():
         compute = compute_s(in_memory, prompt_ids[0], sorted({r.fed_per_step for r in rows}))
     del in_memory
+    # the disk's speed moves on a shared machine: read before and after the runs, use the mean
+    read_after, _ = raw_read_s(folder)
+    read_s = (read_before + read_after) / 2
+    print(f"\ndisk, raw cold read of the {cfg.layers} layers (O_DIRECT): {nbytes / 1e9:.2f} GB "
+          f"in {read_before:.2f} s before the runs, {read_after:.2f} s after: "
+          f"{nbytes / 1e9 / read_s:.2f} GB/s on average\n")  # fmt: skip
     report(cfg, rows, read_s, compute)
     print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
     save_plot(cfg, rows, read_s, compute, nbytes, started)
