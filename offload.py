@@ -191,9 +191,17 @@ class Storage:
 class RamStorage(Storage):
     """All layers in ONE host arena (pinned on CUDA), one region per layer: one copy moves it."""
 
-    def __init__(self, layouts: list[Layout], buffers: list[torch.Tensor]):
-        self.layouts = layouts
-        self.buffers = buffers  # buffers[i]: (layouts[i].nbytes,) uint8, a view of the arena
+    def __init__(self, layout: Layout, n_layers: int, ops):
+        self.layouts = [layout] * n_layers  # every layer's; whole pages
+        arena = ops.host_buffer(n_layers * layout.nbytes)  # pinned on CUDA: copied without a bounce
+        self.buffers = [arena[i * layout.nbytes :][: layout.nbytes] for i in range(n_layers)]
+
+    def fill(self, ckpt: "files.Checkpoint", shapes: dict, dtype, kind) -> None:
+        """Every layer into the arena, quantized as `kind` says: the big read, done once."""
+        for i in tqdm(range(len(self.layouts)), desc="offload: loading layers into RAM"):
+            views = self.layouts[i].views(self.buffers[i])
+            for name, tensor in quant.quantize_layer(ckpt.layer(i, shapes), dtype, kind).items():
+                views[name].copy_(tensor)
 
     def load(self, layer: int, slot: torch.Tensor, ops) -> None:
         ops.copy(slot[: self.layouts[layer].nbytes], self.buffers[layer])
@@ -561,8 +569,8 @@ def from_pretrained(
     hf.requires_grad_(False).eval()
 
     converted, n_layers = None, config.num_hidden_layers
-    if mode == "ram":
-        storage = load_ram(ckpt, shapes, n_layers, dtype, quantize, ops)
+    if mode == "ram":  # the arena, filled once the budget below is known to hold
+        ram = storage = RamStorage(pack(quant.stored_layer(shapes, dtype, quantize)), n_layers, ops)
     else:
         storage, converted = open_disk(ckpt, shapes, n_layers, dtype, quantize, ops, offload_dir)
     if quantize is not None:  # a slot also holds the layer's dequantized weights, laid out here
@@ -573,30 +581,21 @@ def from_pretrained(
     if device_memory is not None:  # on the device anyway: the parts above, and keys and values
         # of every layer for `context` tokens; then a layer's slot each for the ring and the
         # resident layers. The ring needs `buffers` slots, unless no layer streams at all.
-        tokens = context or config.max_position_embeddings
-        kv = 2 * n_layers * shapes["self_attn.k_proj.weight"][0] * tokens * dtype.itemsize
-        fixed = kv + sum(t.nbytes for t in resident.values())
+        kv = 2 * n_layers * shapes["self_attn.k_proj.weight"][0] * dtype.itemsize  # per token
+        fixed = kv * (context or config.max_position_embeddings)
+        fixed += sum(t.nbytes for t in resident.values())
         slots = (device_memory - fixed) / storage.slot_nbytes()  # how many fit; inf: all
         n_resident = n_layers if slots >= n_layers else int(slots) - buffers
         if n_resident < 0:
             raise OffloadError(
-                f"device_memory {device_memory / 1e9:.3f} GB: a {tokens}-token KV cache and the "
-                f"head take {fixed / 1e9:.3f} GB, leaving too little for {buffers} layer slots"
+                f"device_memory {device_memory / 1e9:.3f} GB: the KV cache and the head take "
+                f"{fixed / 1e9:.3f} GB, leaving too little for {buffers} layer slots"
             )
+    if mode == "ram":
+        ram.fill(ckpt, shapes, dtype, quantize)
     model = OffloadedCausalLM(hf, storage, buffers, ops, n_resident)
     model.converted_folder = converted
     return model
-
-
-def load_ram(ckpt: "files.Checkpoint", shapes: dict, n_layers: int, dtype, kind, ops):
-    layout = pack(quant.stored_layer(shapes, dtype, kind))  # every layer's; whole pages
-    arena = ops.host_buffer(n_layers * layout.nbytes)  # pinned on CUDA: copied without a bounce
-    buffers = [arena[i * layout.nbytes : (i + 1) * layout.nbytes] for i in range(n_layers)]
-    for i in tqdm(range(n_layers), desc="offload: loading layers into RAM"):
-        views = layout.views(buffers[i])
-        for name, tensor in quant.quantize_layer(ckpt.layer(i, shapes), dtype, kind).items():
-            views[name].copy_(tensor)
-    return RamStorage([layout] * n_layers, buffers)
 
 
 def open_disk(
