@@ -17,7 +17,16 @@ from pathlib import Path
 
 import torch
 
-from specexec import Options, SpecExecError, autoregressive, check_prompt, context_length, generate
+import quantize
+from specexec import (
+    CostModel,
+    Options,
+    SpecExecError,
+    autoregressive,
+    check_prompt,
+    context_length,
+    generate,
+)
 
 HERE = Path(__file__).resolve().parent
 DIM, RESET = "\033[2m", "\033[0m"
@@ -67,7 +76,9 @@ def parse_args(argv=None):
     group.add_argument(
         "--draft",
         metavar="PATH_OR_ID",
-        help="hub id or folder (default: the project's models/draft)",
+        help="hub id or folder (default: the project's models/draft); or int8 / int4: the "
+        "target's own quantized copy, every layer kept on the device (quantize.self_draft; it "
+        "holds the dequantized weights, so it saves no memory, on a CPU or a GPU)",
     )
     group.add_argument("--prompt", help="prompt text (default: a held-out prompt of the pair)")
     group.add_argument(
@@ -116,6 +127,13 @@ def parse_args(argv=None):
         choices=("int8", "int4"),
         help="with --offload: store and move the target's linear weights in 8 or 4 bits, "
         "dequantized on the device (ssd writes a quantized copy into --offload-dir once)",
+    )
+    group.add_argument(
+        "--device-memory",
+        type=finite,
+        metavar="GB",
+        help="with --offload: device memory the target may hold; after its embeddings, head, KV "
+        "cache and ring, as many layers as fit stay resident and are never streamed",
     )
     group = parser.add_argument_group("generation (defaults: specexec.Options)")
     for f in fields(Options):  # one source of defaults and help for the API and the CLI
@@ -310,7 +328,7 @@ def load_model(folder, device, dtype):
     return model.to(device).eval()
 
 
-def load_offloaded(folder, args, device, dtype):
+def load_offloaded(folder, args, device, dtype, context):
     import offload
 
     return offload.from_pretrained(
@@ -320,6 +338,8 @@ def load_offloaded(folder, args, device, dtype):
         dtype=dtype,
         offload_dir=args.offload_dir.expanduser(),
         quantize=args.quantize,
+        device_memory=None if args.device_memory is None else args.device_memory * 1e9,
+        context=context,  # tokens the target's KV cache holds at most
     )
 
 
@@ -348,6 +368,8 @@ def run(args):
         raise SpecExecError("--offload-clean goes with --offload ssd (only ssd writes a copy)")
     if args.quantize and not args.offload:
         raise SpecExecError("--quantize goes with --offload (it quantizes the streamed layers)")
+    if args.device_memory is not None and not args.offload:
+        raise SpecExecError("--device-memory goes with --offload (it keeps streamed layers)")
     if args.threads:
         torch.set_num_threads(args.threads)
     if not args.verbose:  # no per-tensor progress bars and load reports
@@ -364,7 +386,9 @@ def run(args):
         )
     prompt = args.prompt if args.prompt is not None else default_prompt(args.prompt_index)
     target_dir = find_model(args.target or str(HERE / "models" / "target"))
-    draft_dir = find_model(args.draft or str(HERE / "models" / "draft"))
+    # --draft int8 / int4: the target's own quantized copy, with its tokenizer by construction
+    self_draft = args.draft in quantize.KINDS
+    draft_dir = target_dir if self_draft else find_model(args.draft or str(HERE / "models/draft"))
     target_config, draft_config = load_config(target_dir), load_config(draft_dir)
     tokenizer = load_tokenizer(target_dir)
     check_same_tokenizer(tokenizer, load_tokenizer(draft_dir))
@@ -374,13 +398,23 @@ def run(args):
     check_prompt(input_ids, min(context_length(target_config), context_length(draft_config)))
 
     if args.offload:
-        target = load_offloaded(target_dir, args, device, pick_dtype(args, device))
+        largest = opts.budget if opts.budget != "auto" else CostModel.BUDGETS[-1]
+        context = len(input_ids) + opts.max_new_tokens + largest + 1  # prefix and tree
+        target = load_offloaded(target_dir, args, device, pick_dtype(args, device), context)
     else:
         target = load_model(target_dir, device, pick_dtype(args, device))
+    draft = None
     try:
-        draft = load_model(draft_dir, device, pick_dtype(args, device))
+        if self_draft:
+            draft = quantize.self_draft(
+                draft_dir, args.draft, device=device, dtype=pick_dtype(args, device)
+            )
+        else:
+            draft = load_model(draft_dir, device, pick_dtype(args, device))
         generate_and_report(target, draft, tokenizer, input_ids, args, opts, device)
     finally:
+        if self_draft and draft is not None:
+            draft.close()
         if args.offload:
             target.close()
             clean_offload(target, args.offload_clean)
@@ -423,7 +457,8 @@ def generate_and_report(target, draft, tokenizer, input_ids, args, opts, device)
         last = target.stats  # the last target pass
         rate = f" ({last.gb_per_s:.2f} GB/s)" if last.bytes_moved > 1e8 else ""
         print(
-            f"{dim}offload ({args.offload}): the last target pass moved "
+            f"{dim}offload ({args.offload}): {last.resident_layers} of "
+            f"{target.config.num_hidden_layers} layers resident; the last target pass moved "
             f"{last.bytes_moved / 1e6:,.1f} MB in {last.pass_s:.3f}s{rate}, {last.wait_s:.3f}s of "
             f"it waiting for weights{reset}"
         )

@@ -68,30 +68,19 @@ class Cpu:
 
     staging = None  # slots are host memory: a disk read lands in one directly, not via staging
     device, pinned_bytes = torch.device("cpu"), 0
+    # record(stream), wait_event(stream, event), host_wait(event), close(): nothing to do
+    record = wait_event = host_wait = close = lambda self, *args: None
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return page_aligned(nbytes, torch.device("cpu"))
 
-    def record(self, stream: str) -> None:
-        return None
-
-    def wait_event(self, stream: str, event) -> None:
-        pass
-
-    def host_wait(self, event) -> None:
-        pass
-
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
-    def convert(self, fn, *args) -> None:  # device work on the copy stream, after its copies
-        fn(*args)
-
-    def launch(self, fn, *args, **kwargs):
+    def launch(self, fn, *args, **kwargs):  # compute: here, now
         return fn(*args, **kwargs)
 
-    def close(self) -> None:
-        pass
+    convert = launch  # device work on the copy stream, after its copies: here, now
 
 
 class Cuda(Cpu):
@@ -202,9 +191,17 @@ class Storage:
 class RamStorage(Storage):
     """All layers in ONE host arena (pinned on CUDA), one region per layer: one copy moves it."""
 
-    def __init__(self, layouts: list[Layout], buffers: list[torch.Tensor]):
-        self.layouts = layouts
-        self.buffers = buffers  # buffers[i]: (layouts[i].nbytes,) uint8, a view of the arena
+    def __init__(self, layout: Layout, n_layers: int, ops):
+        self.layouts = [layout] * n_layers  # every layer's; whole pages
+        arena = ops.host_buffer(n_layers * layout.nbytes)  # pinned on CUDA: copied without a bounce
+        self.buffers = [arena[i * layout.nbytes :][: layout.nbytes] for i in range(n_layers)]
+
+    def fill(self, ckpt: "files.Checkpoint", shapes: dict, dtype, kind) -> None:
+        """Every layer into the arena, quantized as `kind` says: the big read, done once."""
+        for i in tqdm(range(len(self.layouts)), desc="offload: loading layers into RAM"):
+            views = self.layouts[i].views(self.buffers[i])
+            for name, tensor in quant.quantize_layer(ckpt.layer(i, shapes), dtype, kind).items():
+                views[name].copy_(tensor)
 
     def load(self, layer: int, slot: torch.Tensor, ops) -> None:
         ops.copy(slot[: self.layouts[layer].nbytes], self.buffers[layer])
@@ -295,36 +292,45 @@ Load = namedtuple("Load", "layer slot issued")
 
 
 class LayerRing:
-    """`buffers` device slots, filled by one reader thread in the order the layers will run.
+    """`buffers` device slots, filled by one reader thread in the order the layers will run; and
+    the resident layers, each loaded once into a buffer of its own and never moved again.
 
     Slots are handed out round-robin, so a new load always takes the slot of the layer released
-    last. At most `buffers` layers are alive at once: in flight, landed, or computing.
+    last. At most `buffers` streamed layers are alive at once: in flight, landed, or computing.
     """
 
-    def __init__(self, storage, buffers: int, n_layers: int, ops):
+    def __init__(self, storage, buffers: int, n_layers: int, n_resident: int, ops):
         self.storage, self.ops = storage, ops
         nbytes = storage.slot_nbytes()
-        n_slots = max(1, min(buffers, n_layers))
-        self.slots = [page_aligned(nbytes, ops.device) for _ in range(n_slots)]  # (nbytes,) each
+        # resident layers spread evenly through the pass: while one computes, the next streamed
+        # layer keeps loading, where a block of them would leave the stream idle that long
+        resident = [(j + 1) * n_layers // n_resident - 1 for j in range(n_resident)]
+        self.kept = {i: page_aligned(nbytes, ops.device) for i in resident}  # (nbytes,) each
+        self.order = [i for i in range(n_layers) if i not in self.kept]  # the streamed layers
+        self.slots = [page_aligned(nbytes, ops.device) for _ in self.order[:buffers]]  # (nbytes,)
         self.freed = [None] * len(self.slots)  # each slot's last release, an event on compute
-        self.lookahead = len(self.slots) - 1  # layers loading while one computes
+        self.lookahead = max(0, len(self.slots) - 1)  # layers loading while one computes
+        # what to prefetch as each streamed layer starts: the streamed layer `lookahead` further on,
+        # past the pass's end into the next pass's first ones
+        self.after = dict(
+            zip(self.order, self.order[self.lookahead :] + self.order[: self.lookahead])
+        )
         self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-reader")
         self.queue: deque[Load] = deque()  # in the order they will be used; not yet handed out
         self.in_use: Load | None = None  # handed out by wait() and not yet released
         self.next_slot = 0
 
     def start_pass(self) -> None:
-        """Keep what the last pass prefetched for layers 0.., drop an interrupted pass's loads."""
-        if self.queue and self.queue[0].layer != 0:
+        """Keep what the last pass prefetched for its first layers, drop an interrupted pass's."""
+        if self.queue and self.queue[0].layer != self.order[0]:
             self.drain()
-        for layer in range(self.lookahead):
+        for layer in self.order[: self.lookahead]:
             self.prefetch(layer)
 
     def prefetch(self, layer: int) -> None:
         if any(load.layer == layer for load in self.queue):
             return
-        if len(self.queue) + (self.in_use is not None) >= len(self.slots):
-            raise RuntimeError("offload ring is full: release a layer before prefetching another")
+        assert len(self.queue) + (self.in_use is not None) < len(self.slots), "the ring is full"
         slot, self.next_slot = self.next_slot, (self.next_slot + 1) % len(self.slots)
         issued = self.reader.submit(self._load, layer, slot, self.freed[slot])
         self.queue.append(Load(layer, slot, issued))
@@ -375,7 +381,8 @@ class LayerRing:
 class PassStats:
     """What the last forward pass cost (`model.stats`, replaced by every pass)."""
 
-    bytes_moved: int = 0  # layer bytes that reached the device
+    resident_layers: int = 0  # decoder layers on the device for good: never moved
+    bytes_moved: int = 0  # layer bytes that reached the device: the streamed layers'
     load_s: float = 0.0  # reader-thread seconds issuing them (on CPU: moving them), overlapped
     wait_s: float = 0.0  # seconds the pass sat waiting for weights
     pass_s: float = 0.0  # wall seconds of the whole pass, device work included
@@ -416,25 +423,27 @@ class StreamedLayers:
         return streamed
 
     def __iter__(self):
-        ring, stats, n = self.ring, self.stats, len(self.layers)
+        ring, stats = self.ring, self.stats
         for i in self.indices:
-            # prefetch next: layer i + lookahead takes the slot layer i - 1 released. Near the end
-            # this wraps around: the next pass's first layers load during this pass's LM head.
-            ring.prefetch((i + ring.lookahead) % n)
+            if i not in ring.kept:  # a resident layer is bound to a buffer of its own for good
+                # prefetch next: the streamed layer `lookahead` on takes the slot the last one
+                # released. Near the end this wraps around: the next pass's first layers load
+                # during this pass's LM head.
+                ring.prefetch(ring.after[i])
 
-            # wait for this one: the reader has issued it and compute waits for it to land
-            waiting = time.perf_counter()
-            slot, load_s = ring.wait(i)
-            stats.wait_s += time.perf_counter() - waiting
-            stats.load_s += load_s
-            stats.bytes_moved += self.layouts[i].nbytes
-            bind(self.layers[i], ring.storage.views(i, slot))
+                # wait for this one: the reader has issued it and compute waits for it to land
+                waiting = time.perf_counter()
+                slot, load_s = ring.wait(i)
+                stats.wait_s += time.perf_counter() - waiting
+                stats.load_s += load_s
+                stats.bytes_moved += self.layouts[i].nbytes
+                bind(self.layers[i], ring.storage.views(i, slot))
 
             # compute: the Hugging Face decoder layer as it is, called by the model's forward
             yield partial(ring.ops.launch, self.layers[i])
 
             # release: back to meta, so only the ring holds weights and the slot may be refilled
-            self.release()
+            self.release()  # (a resident layer holds no slot: nothing to do)
 
     def release(self) -> None:
         """Unbind the layer in use, if any; also what an exception mid-pass leaves behind."""
@@ -446,17 +455,21 @@ class StreamedLayers:
 class OffloadedCausalLM(nn.Module):
     """Called like the Hugging Face model it wraps; its decoder layers visit the device in turn."""
 
-    def __init__(self, hf_model: nn.Module, storage, buffers: int, ops):
+    def __init__(self, hf_model: nn.Module, storage, buffers: int, ops, n_resident: int = 0):
         super().__init__()
         self.layers = hf_model.model.layers  # their parameters: meta, or views of a slot
         del hf_model.model.layers  # a module list cannot be replaced by a plain object in place
-        self.ring = LayerRing(storage, buffers, len(self.layers), ops)
+        self.ring = LayerRing(storage, buffers, len(self.layers), n_resident, ops)
         self.streamed = StreamedLayers(self.layers, self.ring, storage.layouts)
+        for i, buffer in self.ring.kept.items():  # resident: loaded and bound once, for good
+            storage.load(i, buffer, ops)
+            bind(self.layers[i], storage.views(i, buffer))
+        ops.host_wait(ops.record("copy"))  # landed before any compute may read them
         hf_model.model.layers = self.streamed
         self.hf = hf_model  # all on the device, except the decoder layers' weights
         self.layouts = storage.layouts
         self.converted_folder: Path | None = None  # set by from_pretrained
-        self.stats = PassStats()
+        self.stats = PassStats(resident_layers=len(self.ring.kept))
 
     config = property(lambda self: self.hf.config)
     generation_config = property(lambda self: self.hf.generation_config)
@@ -467,7 +480,8 @@ class OffloadedCausalLM(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, **kwargs):  # (batch, q); as the wrapped model's
         started = time.perf_counter()
-        self.stats = self.streamed.stats = PassStats()  # filled in as the pass goes
+        # filled in as the pass goes
+        self.stats = self.streamed.stats = PassStats(resident_layers=len(self.ring.kept))
         self.ring.start_pass()
         try:
             out = self.hf(input_ids.to(self.device), **kwargs)  # logits (batch, q, vocab)
@@ -500,6 +514,8 @@ def from_pretrained(
     offload_dir: str | os.PathLike | None = None,
     buffers: int = 2,
     quantize: str | None = None,
+    device_memory: float | None = None,
+    context: int | None = None,
 ) -> OffloadedCausalLM:
     """An offloaded causal LM from a model folder or hub id (decoder layers at `model.layers`).
 
@@ -509,8 +525,11 @@ def from_pretrained(
     else cpu; a `Cpu`/`Cuda`-like object runs on it (tests pass a fake one). dtype None: the dtype
     stored in the checkpoint; "float16" and "torch.bfloat16" are read as torch dtypes. quantize
     "int8" or "int4": decoder-layer linear weights are stored and moved quantized (quantize.py)
-    and dequantized into `dtype` on the device (ssd: always from a converted copy). Every error
-    is an OffloadError with a one-line message.
+    and dequantized into `dtype` on the device (ssd: always from a converted copy).
+    device_memory: bytes the model may hold on the device (None: stream every layer); after the
+    embeddings and head, a KV cache of `context` tokens (None: the config's max positions) and
+    the ring's slots, as many decoder layers as fit stay resident and are never moved again.
+    Activations need room beyond it. Every error is an OffloadError with a one-line message.
     """
     if mode not in ("ram", "ssd"):
         raise OffloadError(f"mode must be 'ram' or 'ssd', not {mode!r}")
@@ -528,7 +547,7 @@ def from_pretrained(
     config, generation = files.load_configs(folder)  # refuses what a tree pass cannot run
     ckpt = files.Checkpoint(folder)
     dtype = files.as_dtype(dtype) or ckpt.layer_dtype()
-    check_dtype_runs(ops.device, dtype)
+    files.check_dtype_runs(ops.device, dtype)
 
     # the skeleton on meta costs nothing; only the parts that stay on the device get real tensors
     with torch.device("meta"):
@@ -555,42 +574,33 @@ def from_pretrained(
     hf.requires_grad_(False).eval()
 
     converted, n_layers = None, config.num_hidden_layers
-    if mode == "ram":
-        storage = load_ram(ckpt, shapes, n_layers, dtype, quantize, ops)
+    if mode == "ram":  # the arena, filled once the budget below is known to hold
+        ram = storage = RamStorage(pack(quant.stored_layer(shapes, dtype, quantize)), n_layers, ops)
     else:
-        offload_dir = Path(offload_dir).expanduser() if offload_dir is not None else None
         storage, converted = open_disk(ckpt, shapes, n_layers, dtype, quantize, ops, offload_dir)
     if quantize is not None:  # a slot also holds the layer's dequantized weights, laid out here
         weights = {n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes.items()}
         weights = pack({n: w for n, w in weights.items() if quant.is_weight(n)})
         storage = quant.Dequantizing(storage, weights, quantize)
-    model = OffloadedCausalLM(hf, storage, buffers, ops)
+    n_resident = 0
+    if device_memory is not None:  # on the device anyway: the parts above, and keys and values
+        # of every layer for `context` tokens; then a layer's slot each for the ring and the
+        # resident layers. The ring needs `buffers` slots, unless no layer streams at all.
+        kv = 2 * n_layers * shapes["self_attn.k_proj.weight"][0] * dtype.itemsize  # per token
+        fixed = kv * (context or config.max_position_embeddings)
+        fixed += sum(t.nbytes for t in resident.values())
+        slots = (device_memory - fixed) / storage.slot_nbytes()  # how many fit; inf: all
+        n_resident = n_layers if slots >= n_layers else int(slots) - buffers
+        if n_resident < 0:
+            raise OffloadError(
+                f"device_memory {device_memory / 1e9:.3f} GB: the KV cache and the head take "
+                f"{fixed / 1e9:.3f} GB, leaving too little for {buffers} layer slots"
+            )
+    if mode == "ram":
+        ram.fill(ckpt, shapes, dtype, quantize)
+    model = OffloadedCausalLM(hf, storage, buffers, ops, n_resident)
     model.converted_folder = converted
     return model
-
-
-def check_dtype_runs(device: torch.device, dtype: torch.dtype) -> None:
-    """Fail now, not mid-generation, if the device cannot run a matmul and softmax in `dtype`."""
-    old_gpu = device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False)
-    if dtype == torch.bfloat16 and old_gpu:  # emulated bfloat16 runs, slowly
-        raise OffloadError(f"{device} has no native bfloat16; pass dtype=torch.float16")
-    try:
-        x = torch.ones(2, 8, dtype=dtype, device=device)  # (2, 8)
-        torch.softmax(x @ x.T, dim=-1)
-    except (RuntimeError, NotImplementedError, TypeError) as err:
-        reason = files.first_line(err)
-        raise OffloadError(f"{device} cannot run {dtype} ({reason}); pass another dtype") from None
-
-
-def load_ram(ckpt: "files.Checkpoint", shapes: dict, n_layers: int, dtype, kind, ops):
-    layout = pack(quant.stored_layer(shapes, dtype, kind))  # every layer's; whole pages
-    arena = ops.host_buffer(n_layers * layout.nbytes)  # pinned on CUDA: copied without a bounce
-    buffers = [arena[i * layout.nbytes : (i + 1) * layout.nbytes] for i in range(n_layers)]
-    for i in tqdm(range(n_layers), desc="offload: loading layers into RAM"):
-        views = layout.views(buffers[i])
-        for name, tensor in quant.quantize_layer(ckpt.layer(i, shapes), dtype, kind).items():
-            views[name].copy_(tensor)
-    return RamStorage([layout] * n_layers, buffers)
 
 
 def open_disk(

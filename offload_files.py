@@ -3,6 +3,8 @@
 `Checkpoint` finds each tensor of a model folder (a byte range of a safetensors shard, or a tensor
 memory-mapped from a .bin shard); `convert` writes the per-layer safetensors copy that the ssd
 tier reads when the checkpoint's own files cannot be read as they are (another dtype, .bin).
+Beside them, the checks of what a user asks for before any weight is read: the model family
+(`load_configs`), the dtype (`as_dtype`) and whether the device can run it (`check_dtype_runs`).
 """
 
 import copy
@@ -115,6 +117,19 @@ def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if not isinstance(found, torch.dtype):
         raise OffloadError(f"dtype {dtype!r} is no torch dtype; try 'float16' or 'bfloat16'")
     return found
+
+
+def check_dtype_runs(device: torch.device, dtype: torch.dtype) -> None:
+    """Fail now, not mid-generation, if the device cannot run a matmul and softmax in `dtype`."""
+    old_gpu = device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False)
+    if dtype == torch.bfloat16 and old_gpu:  # emulated bfloat16 runs, slowly
+        raise OffloadError(f"{device} has no native bfloat16; pass dtype=torch.float16")
+    try:
+        x = torch.ones(2, 8, dtype=dtype, device=device)  # (2, 8)
+        torch.softmax(x @ x.T, dim=-1)
+    except (RuntimeError, NotImplementedError, TypeError) as err:
+        reason = first_line(err)
+        raise OffloadError(f"{device} cannot run {dtype} ({reason}); pass another dtype") from None
 
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -299,7 +314,7 @@ def convert(ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, offload_dir, k
         raise OffloadError(f"{ckpt.folder} needs a one-time conversion for ssd; pass offload_dir")
     dtype_name = str(dtype).removeprefix("torch.")
     label = f"{kind}-{dtype_name}" if kind else dtype_name  # int8-float16: int8 with fp16 scales
-    folder = Path(offload_dir) / f"{ckpt.folder.name}-{ckpt.fingerprint()}-{label}"
+    folder = Path(offload_dir).expanduser() / f"{ckpt.folder.name}-{ckpt.fingerprint()}-{label}"
     manifest = {"source": str(ckpt.folder.resolve()), "dtype": dtype_name, "layers": n_layers}
     manifest["quantize"] = kind
     done, files = (

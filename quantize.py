@@ -21,6 +21,8 @@ target); a float16 scale per 64 weights costs 0.25 bit each, 4.25 bits a weight 
 Scales are stored in the compute dtype, so the dequantized weight is q * scale rounded once.
 """
 
+import math
+
 import torch
 
 from offload_files import OffloadError
@@ -160,3 +162,25 @@ class Dequantizing:
 
     def close(self) -> None:
         self.storage.close()
+
+
+# ---- a self-draft: the target's own quantized copy ----
+
+
+def self_draft(target, kind: str, **options):
+    """The target's own int8 or int4 copy as SpecExec's draft (SubSpec, 2025): the same
+    tokenizer by construction and no second checkpoint. An offload.OffloadedCausalLM with every
+    layer resident (nothing streams); `target` a folder or hub id, `options` as
+    offload.from_pretrained's (device, dtype, context).
+
+    Each layer's buffer holds its weights dequantized into `dtype` beside the quantized bytes,
+    and the matmuls run on those (no int8 / int4 kernels here): it computes exactly the quantized
+    model, but holds more than the full model's bytes on the device, not a quarter of them.
+    """
+    import offload  # here: offload.py imports this module
+
+    if kind not in KINDS:
+        raise OffloadError(f"a self-draft is 'int8' or 'int4', not {kind!r}")
+    return offload.from_pretrained(
+        target, mode="ram", quantize=kind, device_memory=math.inf, **options
+    )

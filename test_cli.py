@@ -120,6 +120,10 @@ def test_bad_options_fail_in_one_line(tmp_path):
         ([*pair, "--offload-clean"], "--offload-clean goes with --offload ssd"),
         ([*pair, "--quantize", "int8"], "--quantize goes with --offload"),
         ([*pair, "--offload", "ram", "--quantize", "int3"], "invalid choice: 'int3'"),
+        ([*pair, "--device-memory", "1"], "--device-memory goes with --offload"),
+        ([*pair, "--offload", "ram", "--device-memory", "1e-6"], "leaving too little for 2"),
+        ([*pair, "--device-memory", "nan"], "nan is not a finite number"),
+        (["--target", good, "--draft", "int4", "--prompt", "w1"], "int4 quantizes groups of 64"),
         (["--target", "nobody/no-such-model"], "HF_HUB_OFFLINE is set", offline),
         (["--target", "nobody/no-such-model"], "127.0.0.1 cannot be reached", no_hub),
     ]
@@ -385,6 +389,25 @@ def test_quantized_offloaded_target_decodes_as_itself(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "identical output" in result.stdout and "int4" in result.stderr
     assert not list(tmp_path.iterdir())  # the quantized copy is gone again
+
+
+@needs_pair
+def test_self_draft_and_resident_layers_decode_as_the_target():
+    """--draft int4: the target's own 4-bit copy drafts, and the output is the target's own;
+    --device-memory keeps some of the offloaded target's layers and the summary says how many."""
+    runs = cli_run_all(
+        [
+            (["--draft", "int4", "--max-new-tokens", "16", "--compare"], None),
+            (["--offload", "ram", "--device-memory", "0.02", "--max-new-tokens", "8"], None),
+        ]
+    )
+    for result in runs:
+        assert result.returncode == 0, result.stderr[-2000:]
+    assert "identical output" in runs[0].stdout
+    # 20 MB: the float32 head and KV cache (~11 MB) and three 3.4 MB slots: one layer stays
+    assert "offload (ram): 1 of 6 layers resident; last target pass moved 0.017 GB" in (
+        runs[1].stdout
+    )
 
 
 def test_installed_without_the_clone_says_where_the_default_pair_is(tmp_path):

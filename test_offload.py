@@ -7,6 +7,7 @@ stream and the compute stream) is checked on a fake device whose streams are lat
 threads; a last section runs only where CUDA is available.
 """
 
+import contextlib
 import copy
 import errno
 import os
@@ -14,6 +15,7 @@ import random
 import tempfile
 import threading
 import time
+import unittest.mock
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -131,6 +133,52 @@ def set_attention(model, attention):
     model.config._attn_implementation = attention  # read by the layers at call time
 
 
+CONTEXT = 48  # tokens of KV cache a test's device_memory makes room for
+
+
+def device_sizes(folder, oracle, options):
+    """(bytes on the device whatever the budget, bytes of one layer slot), found another way than
+    offload.py's: the in-memory model's parameters outside the decoder layers (a tied head once)
+    and keys and values of CONTEXT tokens from its config; a slot as a model streaming every
+    layer allocates it."""
+    config, itemsize = oracle.config, oracle.dtype.itemsize
+    outside = [p for name, p in oracle.named_parameters() if not name.startswith("model.layers.")]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * CONTEXT * itemsize
+    with offload.from_pretrained(folder, **options) as streaming:
+        slot = streaming.ring.slots[0].numel()
+    return sum(p.nbytes for p in outside) + kv, slot
+
+
+def memory_for(resident, folder, oracle, options):
+    """A device_memory that holds `resident` layers of their own and the ring's slots."""
+    fixed, slot = device_sizes(folder, oracle, options)
+    n, buffers = oracle.config.num_hidden_layers, options.get("buffers", 2)
+    return {"device_memory": fixed + (resident + min(buffers, n - resident)) * slot}
+
+
+def count_bytes_moved(model, stack):
+    """[(layer, bytes)] per load, as it happens: what the storage's copies (ram) and reads (ssd)
+    put into the slot, counted where they happen rather than taken from the layouts."""
+    loads, into_slot = [], []
+    ops, storage = model.ring.ops, model.ring.storage
+    copy_, load, pread_into = ops.copy, storage.load, offload_files.pread_into
+    ops.copy = lambda dst, src: into_slot.append(dst.numel()) or copy_(dst, src)
+
+    def read(fd, buffer, *args):
+        into_slot.append(buffer.numel())
+        return pread_into(fd, buffer, *args)
+
+    def counted(layer, slot, ops):
+        into_slot.clear()
+        load(layer, slot, ops)
+        loads.append((layer, sum(into_slot)))
+
+    storage.load = counted
+    stack.enter_context(unittest.mock.patch.object(offload_files, "pread_into", read))
+    return loads
+
+
 # ---- the offloaded model equals the in-memory one ----
 
 PARENTS = [-1, 0, 0, 1, 1, 2, 3]  # a small tree: root, two children, grandchildren
@@ -138,12 +186,19 @@ PARENTS = [-1, 0, 0, 1, 1, 2, 3]  # a small tree: root, two children, grandchild
 
 @pytest.mark.parametrize("mode", ["ram", "ssd"])
 @pytest.mark.parametrize("family, attention", with_attentions(CONFIGS))
-def test_logits_match_in_memory_model(checkpoints, family, mode, attention, tmp_path, kind=None):
+def test_logits_match_in_memory_model(
+    checkpoints, family, mode, attention, tmp_path, kind=None, resident=0, buffers=2
+):
     folder, oracle = checkpoints[family]
     oracle = copy.deepcopy(oracle)
     set_attention(oracle, attention)
     options = {"mode": mode, "device": "cpu", "offload_dir": tmp_path, "quantize": kind}
-    with offload.from_pretrained(folder, **options) as model:
+    options |= {"buffers": buffers, "context": CONTEXT}
+    if resident:  # a budget that keeps that many layers on the device, the rest streaming
+        options |= memory_for(resident, folder, oracle, options)
+    with offload.from_pretrained(folder, **options) as model, contextlib.ExitStack() as stack:
+        assert model.stats.resident_layers == len(model.ring.kept) == resident
+        loads = count_bytes_moved(model, stack)
         set_attention(model, attention)
         assert model.dtype == torch.float32 and model.device == torch.device("cpu")
         caches = [DynamicCache(config=model.config), DynamicCache(config=oracle.config)]
@@ -166,9 +221,59 @@ def test_logits_match_in_memory_model(checkpoints, family, mode, attention, tmp_
             keep = list(range(n_cached)) + [n_cached + j for j in path]
             for cache in caches:
                 keep_positions(cache, keep)
-        stats = model.stats  # of the last pass: every layer moved once
-        assert stats.bytes_moved == sum(layout.nbytes for layout in model.layouts)
-        assert 0 <= stats.wait_s <= stats.pass_s and stats.compute_s > 0 and stats.gb_per_s > 0
+        model.ring.drain()  # the next pass's first layers, prefetched, have landed too
+        stats = model.stats  # of the last pass: every streamed layer moved once, no other
+        streamed = [i for i in range(oracle.config.num_hidden_layers) if i not in model.ring.kept]
+        assert {layer for layer, _ in loads} == set(streamed)  # resident ones: never again
+        moved = dict(loads)  # each layer's bytes per load, measured
+        assert sorted(set(loads)) == sorted(moved.items())  # the same every time
+        assert stats.bytes_moved == sum(moved.values())
+        assert stats.bytes_moved == sum(model.layouts[i].nbytes for i in streamed)
+        assert stats.resident_layers == resident and 0 <= stats.wait_s <= stats.pass_s
+        assert stats.compute_s > 0 and (stats.gb_per_s > 0 or not streamed)
+
+
+@pytest.mark.parametrize("kind", [None, *quantize.KINDS])
+@pytest.mark.parametrize("mode", ["ram", "ssd"])
+@pytest.mark.parametrize("resident, buffers", [(0, 2), (1, 1), (3, 2)])  # of 3 layers
+def test_resident_layers_logits_and_bytes_moved(
+    checkpoints, quant_checkpoints, mode, kind, resident, buffers, tmp_path
+):
+    """With 0, some and all layers resident (a budget from device_memory): logits equal the
+    in-memory model's (quantized: the dequantized one's), and a pass moves exactly the streamed
+    layers' bytes, as counted by the storage's copies and reads."""
+    folder, model = (quant_checkpoints if kind else checkpoints)["llama"]
+    oracle = {"llama": (folder, dequantized(model, kind))}
+    test_logits_match_in_memory_model(
+        oracle, "llama", mode, "sdpa", tmp_path, kind=kind, resident=resident, buffers=buffers
+    )
+
+
+@pytest.mark.parametrize("mode", ["ram", "ssd"])
+@pytest.mark.parametrize("buffers", [1, 2, 3])
+def test_device_memory_keeps_the_layers_that_fit(tmp_path, mode, buffers):
+    """Around every whole number of slots: the resident layers are the most k whose own buffers
+    and the ring's min(buffers, 5 - k) slots fit (counted plainly), spread through the pass;
+    where not even the ring fits, a one-line error before any layer is read."""
+    oracle = save_model(tmp_path / "model", LlamaConfig(**{**SIZES, "num_hidden_layers": 5}))
+    options = {"mode": mode, "device": "cpu", "buffers": buffers, "context": CONTEXT}
+    fixed, slot = device_sizes(tmp_path / "model", oracle, options)
+    for n_slots in range(7):
+        for memory in (fixed + n_slots * slot - 1, fixed + n_slots * slot):
+            fits = [k for k in range(6) if fixed + (k + min(buffers, 5 - k)) * slot <= memory]
+            if not fits:
+                with pytest.raises(offload.OffloadError, match="too little for") as caught:
+                    offload.from_pretrained(tmp_path / "model", **options, device_memory=memory)
+                assert "\n" not in str(caught.value)
+                continue
+            with offload.from_pretrained(tmp_path / "model", **options, device_memory=memory) as m:
+                assert m.stats.resident_layers == len(m.ring.kept) == max(fits)
+                assert sorted([*m.ring.kept, *m.ring.order]) == list(range(5))
+                # spread: the streamed runs before each resident layer differ by one at most
+                edges = [-1, *sorted(m.ring.kept)]
+                runs = [b - a - 1 for a, b in zip(edges, edges[1:])]
+                assert not runs or max(runs) - min(runs) <= 1
+                assert len(m.ring.slots) == min(buffers, 5 - max(fits))
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -355,11 +460,11 @@ def test_planned_reads_give_what_safetensors_loads(tensors, data):
 
 
 @pytest.mark.parametrize("buffers", [1, 2, 3])
-def test_resident_layers_never_exceed_buffers(tmp_path, buffers):
-    """Measured from events: a layer is resident from the start of its read to the end of its run.
+def test_streamed_layers_never_exceed_buffers(tmp_path, buffers):
+    """Measured from events: a layer holds a slot from the start of its read to the end of its run.
 
-    Resident means holding a slot: wait() hands a slot out, and it stays taken until the layer
-    has run; the count therefore covers layers in flight, landed and running.
+    wait() hands a slot out, and it stays taken until the layer has run; the count therefore
+    covers layers in flight, landed and running.
     """
     save_model(tmp_path, LlamaConfig(**{**SIZES, "num_hidden_layers": 5}))
     with offload.from_pretrained(tmp_path, mode="ssd", device="cpu", buffers=buffers) as model:
@@ -409,8 +514,8 @@ class FakeDevice(offload.Cpu):
         self.staging, self.random, self.errors = staging, random.Random(seed), []
         self.expected = oracle.state_dict()  # what each layer's weights must read
         self.streams = {name: ThreadPoolExecutor(1) for name in ("copy", "compute")}
-        self.reading = Counter()  # slot start address -> computes reading that slot now
-        self.slots: list[torch.Tensor] = []  # the ring's, set once it exists
+        self.reading = Counter()  # device buffer (a ring slot or a resident layer's) -> computes
+        self.copied = Counter()  # device buffer -> copies run into it
         self.host_waits = 0  # times the host blocked on the device
 
     def delay(self) -> None:
@@ -421,12 +526,8 @@ class FakeDevice(offload.Cpu):
             self.errors.append(message)
 
     def slot_of(self, tensor: torch.Tensor) -> int:
-        (start,) = [
-            s.data_ptr()
-            for s in self.slots
-            if s.data_ptr() <= tensor.data_ptr() < s.data_ptr() + s.numel()
-        ]
-        return start
+        """The device buffer a view lies in (each is one allocation)."""
+        return tensor.untyped_storage().data_ptr()
 
     def record(self, stream: str) -> FakeEvent:
         event = FakeEvent()  # recorded now, done when the stream gets there
@@ -448,6 +549,7 @@ class FakeDevice(offload.Cpu):
         def run():
             self.delay()
             slot = self.slot_of(dst)
+            self.copied[slot] += 1
             self.check(self.reading[slot] == 0, "a copy into a slot while a layer computes on it")
             self.check(torch.equal(src, issued), "a staging chunk overwritten before its copy")
             dst.copy_(src)
@@ -508,18 +610,29 @@ class FakeDevice(offload.Cpu):
     staging=st.tuples(st.integers(1, 3), st.integers(1, 3)),  # chunks, pages each
     fail_at=st.sampled_from([None, 0, 1, 2]),
     kind=st.sampled_from([None, "int8", "int4"]),  # quantized: dequantized on the copy stream
+    resident=st.integers(0, 3),  # layers kept on the device, of 3 (a budget that holds them)
 )
 def test_ring_ordering_on_a_fake_device(
-    checkpoints, quant_checkpoints, seed, family, mode, buffers, staging, fail_at, kind
+    checkpoints, quant_checkpoints, seed, family, mode, buffers, staging, fail_at, kind, resident
 ):
-    """Copies, compute and staging kept apart by events alone; logits still equal the oracle's,
-    also in the pass after one that a layer broke off with an exception."""
+    """Copies, compute and staging kept apart by events alone, also beside resident layers;
+    logits still equal the oracle's, also in the pass after one that a layer broke off with an
+    exception; a resident layer's buffer is copied into once, when the model is built."""
     folder, oracle = (quant_checkpoints if kind else checkpoints)[family]
     oracle = dequantized(oracle, kind)
     fake = FakeDevice(seed, (staging[0], staging[1] * offload.PAGE), oracle)
-    options = {"mode": mode, "device": fake, "buffers": buffers, "quantize": kind}
-    model = offload.from_pretrained(folder, **options, offload_dir=f"{folder}-offloaded")
-    fake.slots = model.ring.slots
+    options = {"mode": mode, "buffers": buffers, "quantize": kind, "context": CONTEXT}
+    options |= {"offload_dir": f"{folder}-offloaded"}
+    if resident:
+        options |= memory_for(resident, folder, oracle, {**options, "device": "cpu"})
+    model = offload.from_pretrained(folder, **options, device=fake)
+    all_fit = resident + min(buffers, 3 - resident) >= 3  # the ring's slots would hold the rest
+    assert len(model.ring.kept) == (3 if resident and all_fit else resident)
+    fake.streams["copy"].submit(lambda: None).result()  # the loads at build time have run
+    built = {
+        fake.slot_of(buffer): fake.copied[fake.slot_of(buffer)]
+        for buffer in model.ring.kept.values()
+    }
     if fail_at is not None:  # the first pass breaks off in this layer
 
         def fail_once(layer, args):
@@ -540,6 +653,7 @@ def test_ring_ordering_on_a_fake_device(
     assert fake.errors == []
     if mode == "ram":  # the host blocked once per pass, at its end, never per layer
         assert fake.host_waits == 3
+    assert all(fake.copied[slot] == copies > 0 for slot, copies in built.items())
 
 
 # ---- quantized offloading (quantize.py): exact in its own terms ----
@@ -692,6 +806,55 @@ def test_specexec_with_quantized_target_equals_its_greedy_decoding(tmp_path, kin
             target, draft, prompt, max_new_tokens=16, budget=8, eos_token_id=[]
         )
     assert tokens == expected and len(tokens) == 16
+
+
+# ---- the self-draft: the target's own quantized copy, every layer resident ----
+
+
+@pytest.fixture(scope="module")
+def float64_target(tmp_path_factory):
+    """A float64 target with int4-friendly shapes, saved; and the same model in memory. float64,
+    so that a tree pass and one-token passes, which round differently, cannot flip an argmax."""
+    folder = tmp_path_factory.mktemp("target64")
+    config = quant_config("llama")
+    config.num_hidden_layers = 4
+    return folder, save_model(folder, config, dtype=torch.float64).double()
+
+
+@pytest.mark.parametrize("kind", quantize.KINDS)
+def test_self_draft_is_the_quantized_target_kept_whole(float64_target, kind):
+    """Its logits are the dequantized target's; nothing streams; a bad kind is one line."""
+    folder, target = float64_target
+    ids = torch.randint(97, (1, 7), generator=torch.Generator().manual_seed(9))
+    with quantize.self_draft(folder, kind, device="cpu") as draft:
+        assert draft.dtype == torch.float64 and draft.stats.resident_layers == 4
+        expected = dequantized(target, kind)(ids).logits
+        torch.testing.assert_close(draft(ids).logits, expected, rtol=1e-12, atol=1e-12)
+        assert draft.stats.bytes_moved == 0 and draft.ring.slots == []
+    assert not torch.equal(expected, target(ids).logits)  # quantized: another model
+    with pytest.raises(offload.OffloadError, match="a self-draft is 'int8' or 'int4', not 'fp8'"):
+        quantize.self_draft(folder, "fp8")
+
+
+@pytest.mark.parametrize("kind", quantize.KINDS)
+@pytest.mark.parametrize("sampled", [False, True])
+def test_specexec_with_a_self_draft_is_exact(float64_target, kind, sampled):
+    """Greedy: the target's greedy decoding; sampled (T 0.6, top-p 0.9, seeded): the target's
+    own autoregressive sample with that seed."""
+    import specexec
+
+    folder, target = float64_target
+    prompt = torch.randint(97, (1, 6), generator=torch.Generator().manual_seed(4)).tolist()[0]
+    options = dict(max_new_tokens=24, eos_token_id=[])
+    options |= dict(temperature=0.6, top_p=0.9) if sampled else {}
+    with quantize.self_draft(folder, kind, device="cpu") as draft:
+        for seed in range(2):
+            expected, _ = specexec.autoregressive(target, prompt, seed=seed, **options)
+            tokens, stats = specexec.generate(
+                target, draft, prompt, seed=seed, budget=16, **options
+            )
+            assert tokens == expected and len(tokens) == 24
+            assert stats.tokens_per_step > 1  # the copy agrees with the target: trees are kept
 
 
 # ---- on a GPU: runs only where CUDA is available (not yet run: written on a CPU machine) ----
