@@ -41,7 +41,6 @@ from typing import NamedTuple, Self
 import torch
 from torch import nn
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM
 
 import offload_files as files
 import quantize as quant
@@ -456,7 +455,7 @@ class OffloadedCausalLM(nn.Module):
         self.hf = hf_model  # all on the device, except the decoder layers' weights
         self.layouts = storage.layouts
         self.converted_folder: Path | None = None  # set by from_pretrained
-        self.stats = PassStats()
+        self.stats, self.closed = PassStats(), False
 
     config = property(lambda self: self.hf.config)
     generation_config = property(lambda self: self.hf.generation_config)
@@ -466,6 +465,8 @@ class OffloadedCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, **kwargs):  # (batch, q); as the wrapped model's
+        if self.closed:  # its reader thread and files are gone
+            raise OffloadError("this offloaded model was closed; load it again to use it")
         started = time.perf_counter()
         self.stats = self.streamed.stats = PassStats()  # filled in as the pass goes
         self.ring.start_pass()
@@ -479,7 +480,9 @@ class OffloadedCausalLM(nn.Module):
         return out
 
     def close(self) -> None:
-        self.ring.close()
+        if not self.closed:
+            self.ring.close()
+        self.closed = True
 
     def __enter__(self) -> Self:
         return self
@@ -514,40 +517,27 @@ def from_pretrained(
     """
     if mode not in ("ram", "ssd"):
         raise OffloadError(f"mode must be 'ram' or 'ssd', not {mode!r}")
-    if buffers < 1:
-        raise OffloadError(f"buffers must be at least 1, not {buffers}")
+    if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 1:
+        raise OffloadError(f"buffers must be an integer of at least 1, not {buffers!r}")
     if quantize not in (None, *quant.KINDS):
         raise OffloadError(f"quantize must be None, 'int8' or 'int4', not {quantize!r}")
     ops = device  # the device's operations: Cpu, Cuda, or a test's fake
     if not isinstance(device, Cpu):
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        try:
+            device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        except (RuntimeError, TypeError) as err:
+            raise OffloadError(f"device {device!r}: {files.first_line(err)}") from None
         if device.type != "cpu" and not (device.type == "cuda" and torch.cuda.is_available()):
             raise OffloadError(f"offload runs on cpu or an available cuda device, not {device}")
         ops = Cuda(device) if device.type == "cuda" else Cpu()
     folder = files.find_folder(str(name_or_path))
     config, generation = files.load_configs(folder)  # refuses unsupported families
-    ckpt = files.Checkpoint(folder)
-    dtype = files.as_dtype(dtype) or ckpt.spec("model.layers.0.self_attn.q_proj.weight")[0]
+    ckpt, hf = files.open_checkpoint(folder, config)  # refused here iff cli.load_model refuses
+    dtype = files.as_dtype(dtype) or ckpt.dtype
     check_dtype_runs(ops.device, dtype)
-
-    # the skeleton on meta costs nothing; only the parts that stay on the device get real tensors
-    with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # the model on meta costs nothing; only the parts that stay on the device get real tensors
+    files.load_weights(ckpt, hf, ops.device, dtype, generation, layers=False)
     shapes = {name: tuple(p.shape) for name, p in hf.model.layers[0].named_parameters()}
-    ckpt.check_layers(shapes, config.num_hidden_layers)  # all there, right shapes, before big reads
-    resident = {
-        name: ckpt.tensor(name, p.shape).to(device=ops.device, dtype=dtype)
-        for name, p in hf.named_parameters()
-        if not name.startswith("model.layers.")
-    }
-    hf.load_state_dict(resident, strict=False, assign=True)
-    if getattr(hf.config, "tie_word_embeddings", False):
-        hf.lm_head.weight = hf.model.embed_tokens.weight
-    # rotary frequencies are computed, not stored: build them again, off the meta device
-    hf.model.rotary_emb = type(hf.model.rotary_emb)(config=hf.config).to(ops.device)
-    if generation is not None:
-        hf.generation_config = generation
-    hf.requires_grad_(False).eval()
 
     converted, n_layers = None, config.num_hidden_layers
     if mode == "ram":
