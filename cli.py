@@ -5,7 +5,8 @@ code prompt. Everything the user touches is here: options, model loading, chat t
 streaming, the summary line and one-line errors. The algorithm itself is in specexec.py.
 
 Every bad input ends the same way: one line `error: ...` on stderr, exit status 2, no traceback,
-and nothing written. Ctrl-C exits with 130, a closed pipe (`| head`) quietly.
+and nothing written; so does an output that cannot be written (a full disk, a closed stdout).
+Ctrl-C exits with 130, a closed pipe (`| head`) quietly.
 """
 
 import argparse
@@ -15,18 +16,23 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-import torch
+try:  # torch takes seconds to import: Ctrl-C meanwhile exits as it does later, quietly
+    import torch
 
-import quantize
-from specexec import (
-    CostModel,
-    Options,
-    SpecExecError,
-    autoregressive,
-    check_prompt,
-    context_length,
-    generate,
-)
+    import quantize
+    from offload_files import OffloadError, one_line, open_checkpoint
+    from specexec import (
+        CostModel,
+        Options,
+        SpecExecError,
+        autoregressive,
+        check_prompt,
+        check_same_vocab_size,
+        context_length,
+        generate,
+    )
+except KeyboardInterrupt:
+    sys.exit(130)
 
 HERE = Path(__file__).resolve().parent
 DIM, RESET = "\033[2m", "\033[0m"
@@ -39,6 +45,14 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse prints usage and two lines; keep the one-line promise
         print(f"error: {message} (see --help)", file=sys.stderr)
         sys.exit(2)
+
+    def print_help(self, file=None):  # argparse would drop a failed write (a full disk) silently
+        print(self.format_help(), end="", file=file or sys.stdout)
+
+    def exit(self, status=0, message=None):  # after --help: a full stdout fails here, not at exit
+        if sys.stdout is not None:
+            sys.stdout.flush()
+        super().exit(status, message)
 
 
 def finite(text):
@@ -173,10 +187,17 @@ def pick_device(name):
     return device
 
 
-def find_model(name):
-    """A local model folder: the folder given, or a hub id's snapshot (cached or downloaded)."""
+def find_model(name, flag):
+    """A local model folder: the folder given, or a hub id's snapshot (cached or downloaded).
+    None: the project's own (models/target or models/draft); '' is no name, not the default."""
+    if name is None:
+        name = str(HERE / "models" / flag.removeprefix("--"))
+    if not name.strip():
+        raise SpecExecError(f"{flag} is empty: pass a model folder or a hub id")
     path = Path(name).expanduser()
     if path.is_dir():
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise SpecExecError(f"{name}: cannot read this folder (permission denied)")
         if not (path / "config.json").is_file():
             raise SpecExecError(f"{name}: no config.json in this folder")
         return path
@@ -225,15 +246,22 @@ def unreachable():
     return None
 
 
-def one_line(error):
-    return " ".join(str(error).split())[:300]
-
-
 def load_config(folder):
     """Its config; a damaged one or an unsupported family is one OffloadError line."""
     from offload_files import load_configs
 
     return load_configs(folder)[0]
+
+
+def check_stdout():
+    """Refuse an output that cannot take what a model writes, before anything runs."""
+    try:  # any character a model may write (ascii:replace, say, takes them all)
+        "\u00e9\u2014\U0001f600".encode(sys.stdout.encoding, sys.stdout.errors or "strict")
+    except (UnicodeEncodeError, LookupError, TypeError):
+        raise SpecExecError(
+            f"standard output's encoding {sys.stdout.encoding} cannot write all of a model's "
+            "text: set PYTHONIOENCODING=utf-8"
+        ) from None
 
 
 def load_tokenizer(folder):
@@ -271,12 +299,28 @@ def default_prompt(index):
     path = HERE / "models" / "prompts.json"
     if not path.is_file():  # installed with `pip install .`: models/ stays in the clone
         raise SpecExecError(f"no default prompts at {path}: pass --prompt (or run from a clone)")
-    prompts = json.loads(path.read_text())
-    if not 0 <= index < len(prompts):
+    try:
+        prompts = json.loads(path.read_text())
+        count = len(prompts)
+        prompt = prompts[index]["prompt"] if 0 <= index < count else None
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise SpecExecError(f"{path} is damaged ({one_line(error)}); pass --prompt") from None
+    if prompt is None:
+        raise SpecExecError(f"--prompt-index {index}: models/prompts.json has 0..{count - 1}")
+    if not isinstance(prompt, str):
+        raise SpecExecError(f"{path} is damaged (prompt {index} is no text); pass --prompt")
+    return prompt
+
+
+def check_text(prompt):
+    """Bytes that are not UTF-8 reach sys.argv as lone surrogates, which no tokenizer takes."""
+    try:
+        prompt.encode()
+    except UnicodeEncodeError as error:
+        byte = ord(prompt[error.start]) - 0xDC00  # how Python keeps an undecodable byte
         raise SpecExecError(
-            f"--prompt-index {index}: models/prompts.json has 0..{len(prompts) - 1}"
-        )
-    return prompts[index]["prompt"]
+            f"--prompt is not UTF-8 text (byte {byte:#04x} at character {error.start})"
+        ) from None
 
 
 def tokenize(tokenizer, prompt, chat_template, folder):
@@ -299,33 +343,15 @@ def tokenize(tokenizer, prompt, chat_template, folder):
 
 
 def load_model(folder, device, dtype):
-    """The model in memory, refusing a checkpoint that does not fill it exactly."""
-    from transformers import AutoModelForCausalLM
-
-    from offload_files import Checkpoint
+    """The model in memory, read and checked as the offloaded target is (offload_files): the
+    same folder is refused by both or by neither. dtype None: the checkpoint's own."""
+    import offload_files as files
 
     folder = Path(folder)
-    Checkpoint(folder)  # damaged or missing shards: the same clear errors as with --offload
-    try:
-        model, info = AutoModelForCausalLM.from_pretrained(
-            folder, dtype=dtype or "auto", output_loading_info=True, ignore_mismatched_sizes=True
-        )
-    except (OSError, ValueError, RuntimeError) as error:
-        raise SpecExecError(f"{folder}: cannot load its weights ({one_line(error)})") from None
-    # Hugging Face fills anything missing or misshapen with random weights and runs; we refuse.
-    # A tied lm_head is not missing: it shares the embedding, and is not reported.
-    mismatched = [
-        f"{key} {tuple(ckpt)} vs {tuple(want)}" for key, ckpt, want in info["mismatched_keys"]
-    ]
-    for keys, what in [
-        (info["missing_keys"], "lacks {n} weights its config.json asks for"),
-        (info["unexpected_keys"], "holds {n} weights its config.json has no place for"),
-        (mismatched, "has {n} weights of another shape than its config.json gives"),
-    ]:
-        if keys:
-            first = sorted(keys)[0] + (", ..." if len(keys) > 1 else "")
-            raise SpecExecError(f"{folder}: the checkpoint {what.format(n=len(keys))} ({first})")
-    return model.to(device).eval()
+    config, generation = files.load_configs(folder)
+    ckpt, model = files.open_checkpoint(folder, config)  # refuses what does not fill it exactly
+    files.load_weights(ckpt, model, device, dtype or ckpt.dtype, generation)
+    return model
 
 
 def load_offloaded(folder, args, device, dtype, context):
@@ -364,13 +390,19 @@ class Streamer:
 def run(args):
     opts = Options(**{f.name: getattr(args, f.name) for f in fields(Options)})  # checks them
     device = pick_device(args.device)
+    check_stdout()
     if args.offload_clean and args.offload != "ssd":
         raise SpecExecError("--offload-clean goes with --offload ssd (only ssd writes a copy)")
     if args.quantize and not args.offload:
         raise SpecExecError("--quantize goes with --offload (it quantizes the streamed layers)")
     if args.device_memory is not None and not args.offload:
         raise SpecExecError("--device-memory goes with --offload (it keeps streamed layers)")
+    if args.compare and opts.max_new_tokens == 0:
+        raise SpecExecError("--compare times decoding: give it --max-new-tokens of at least 1")
     if args.threads:
+        cores = os.cpu_count() or 1
+        if args.threads > cores:  # more threads than cores only wait for each other
+            raise SpecExecError(f"--threads {args.threads}: this machine has {cores} cores")
         torch.set_num_threads(args.threads)
     if not args.verbose:  # no per-tensor progress bars and load reports
         from transformers.utils import logging
@@ -379,21 +411,25 @@ def run(args):
         logging.set_verbosity_error()
 
     # Everything is checked before any weight is read.
-    if not (args.target and args.draft) and not (HERE / "models" / "target").is_dir():
+    if None in (args.target, args.draft) and not (HERE / "models" / "target").is_dir():
         raise SpecExecError(
             f"the default pair lives in a clone's models/, not beside {HERE}: pass --target and "
             "--draft (a hub id or a folder), or install the clone with `pip install -e .`"
         )
     prompt = args.prompt if args.prompt is not None else default_prompt(args.prompt_index)
-    target_dir = find_model(args.target or str(HERE / "models" / "target"))
+    check_text(prompt)
+    target_dir = find_model(args.target, "--target")
     # --draft int8 / int4: the target's own quantized copy, with its tokenizer by construction
     self_draft = args.draft in quantize.KINDS
-    draft_dir = target_dir if self_draft else find_model(args.draft or str(HERE / "models/draft"))
+    draft_dir = target_dir if self_draft else find_model(args.draft, "--draft")
     target_config, draft_config = load_config(target_dir), load_config(draft_dir)
     tokenizer = load_tokenizer(target_dir)
     check_same_tokenizer(tokenizer, load_tokenizer(draft_dir))
     check_vocab(tokenizer, target_config, target_dir)
     check_vocab(tokenizer, draft_config, draft_dir)
+    check_same_vocab_size(target_config, draft_config)
+    for folder, config in [(target_dir, target_config), (draft_dir, draft_config)]:
+        open_checkpoint(folder, config)  # every weight there with its shape, read from headers
     input_ids = tokenize(tokenizer, prompt, args.chat_template, target_dir)
     check_prompt(input_ids, min(context_length(target_config), context_length(draft_config)))
 
@@ -505,21 +541,34 @@ def clean_offload(target, remove):
 
 
 def main(argv=None):
-    from offload import OffloadError
-
-    args = parse_args(argv)
     try:
-        run(args)
+        if sys.stdout is None:  # started with `>&-`
+            raise SpecExecError("standard output is closed: send it to a file or /dev/null")
+        run(parse_args(argv))
+        sys.stdout.flush()  # a full disk or closed pipe fails here, inside the handlers
     except (SpecExecError, OffloadError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        sys.exit(2)
+        fail(str(error))
     except KeyboardInterrupt:  # Ctrl-C: leave the terminal as we found it
-        if sys.stdout.isatty():
+        if sys.stdout is not None and sys.stdout.isatty():
             print(RESET)
         sys.exit(130)
     except BrokenPipeError:  # the reader left (`| head`): stop quietly
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no error at exit
+        drop_stdout()
         sys.exit(1)
+    except OSError as error:  # mostly stdout that cannot be written (/dev/full, ulimit -f); the
+        drop_stdout()  # inputs' file errors are SpecExecErrors, caught where they are read
+        where = error.filename or "cannot write the output"
+        fail(f"{where} ({error.strerror or error})")
+
+
+def fail(message):
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def drop_stdout():
+    """Send what stdout still holds to /dev/null, so that exiting does not fail on it again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

@@ -41,7 +41,6 @@ from typing import NamedTuple, Self
 import torch
 from torch import nn
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM
 
 import offload_files as files
 import quantize as quant
@@ -469,7 +468,7 @@ class OffloadedCausalLM(nn.Module):
         self.hf = hf_model  # all on the device, except the decoder layers' weights
         self.layouts = storage.layouts
         self.converted_folder: Path | None = None  # set by from_pretrained
-        self.stats = PassStats(resident_layers=len(self.ring.kept))
+        self.stats, self.closed = PassStats(resident_layers=len(self.ring.kept)), False
 
     config = property(lambda self: self.hf.config)
     generation_config = property(lambda self: self.hf.generation_config)
@@ -479,6 +478,8 @@ class OffloadedCausalLM(nn.Module):
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, **kwargs):  # (batch, q); as the wrapped model's
+        if self.closed:  # its reader thread and files are gone
+            raise OffloadError("this offloaded model was closed; load it again to use it")
         started = time.perf_counter()
         # filled in as the pass goes
         self.stats = self.streamed.stats = PassStats(resident_layers=len(self.ring.kept))
@@ -493,7 +494,9 @@ class OffloadedCausalLM(nn.Module):
         return out
 
     def close(self) -> None:
-        self.ring.close()
+        if not self.closed:
+            self.ring.close()
+        self.closed = True
 
     def __enter__(self) -> Self:
         return self
@@ -533,45 +536,31 @@ def from_pretrained(
     """
     if mode not in ("ram", "ssd"):
         raise OffloadError(f"mode must be 'ram' or 'ssd', not {mode!r}")
-    if buffers < 1:
-        raise OffloadError(f"buffers must be at least 1, not {buffers}")
+    if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 1:
+        raise OffloadError(f"buffers must be an integer of at least 1, not {buffers!r}")
     if quantize not in (None, *quant.KINDS):
         raise OffloadError(f"quantize must be None, 'int8' or 'int4', not {quantize!r}")
     ops = device  # the device's operations: Cpu, Cuda, or a test's fake
     if not isinstance(device, Cpu):
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        try:
+            device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        except (RuntimeError, TypeError) as err:
+            raise OffloadError(f"device {device!r}: {files.first_line(err)}") from None
         if device.type != "cpu" and not (device.type == "cuda" and torch.cuda.is_available()):
             raise OffloadError(f"offload runs on cpu or an available cuda device, not {device}")
         ops = Cuda(device) if device.type == "cuda" else Cpu()
     folder = files.find_folder(str(name_or_path))
     config, generation = files.load_configs(folder)  # refuses what a tree pass cannot run
-    ckpt = files.Checkpoint(folder)
-    dtype = files.as_dtype(dtype) or ckpt.layer_dtype()
-    files.check_dtype_runs(ops.device, dtype)
-
-    # the skeleton on meta costs nothing; only the parts that stay on the device get real tensors
-    with torch.device("meta"):
-        hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    shapes = ckpt.check_layers(hf)  # every layer's tensors there, right shapes, before big reads
-    # buffers (rotary frequencies, Gemma's embedding scale) are computed, not stored: give them
-    # memory on the device and let the model's own initializer compute them, while the
-    # parameters are still meta (it would overwrite loaded ones)
-    for name, buffer in list(hf.named_buffers()):
-        owner, _, leaf = name.rpartition(".")
-        hf.get_submodule(owner)._buffers[leaf] = torch.empty_like(buffer, device=ops.device)
-    for owner in {name.rpartition(".")[0] for name, _ in hf.named_buffers()}:
-        hf._init_weights(hf.get_submodule(owner))
-    resident = {
-        name: ckpt.tensor(name, p.shape).to(device=ops.device, dtype=dtype)
-        for name, p in hf.named_parameters()
-        if not name.startswith("model.layers.")
-    }
-    hf.load_state_dict(resident, strict=False, assign=True)
-    if getattr(hf.config, "tie_word_embeddings", False):
-        hf.lm_head.weight = hf.model.embed_tokens.weight
-    if generation is not None:
-        hf.generation_config = generation
-    hf.requires_grad_(False).eval()
+    # the model on meta costs nothing; only the parts that stay on the device get real tensors
+    dtype = files.as_dtype(dtype)
+    if dtype is not None:  # before anything is built in it
+        files.check_dtype_runs(ops.device, dtype)
+    ckpt, hf = files.open_checkpoint(folder, config, dtype)  # refused here iff in memory too
+    if dtype is None:
+        dtype = ckpt.dtype
+        files.check_dtype_runs(ops.device, dtype)
+    shapes = ckpt.check_layers(hf)  # what each decoder layer holds, the same for all
+    files.load_weights(ckpt, hf, ops.device, dtype, generation, layers=False)
 
     converted, n_layers = None, config.num_hidden_layers
     if mode == "ram":  # the arena, filled once the budget below is known to hold
@@ -586,9 +575,14 @@ def from_pretrained(
     if device_memory is not None:  # on the device anyway: the parts above, and keys and values
         # of every layer for `context` tokens; then a layer's slot each for the ring and the
         # resident layers. The ring needs `buffers` slots, unless no layer streams at all.
-        kv = 2 * n_layers * shapes["self_attn.k_proj.weight"][0] * dtype.itemsize  # per token
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = (
+            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        )
+        kv = 2 * n_layers * heads * head_dim * dtype.itemsize  # per token
         fixed = kv * (context or config.max_position_embeddings)
-        fixed += sum(t.nbytes for t in resident.values())
+        outside = (p for name, p in hf.named_parameters() if not name.startswith("model.layers."))
+        fixed += sum(p.nbytes for p in outside)
         slots = (device_memory - fixed) / storage.slot_nbytes()  # how many fit; inf: all
         n_resident = n_layers if slots >= n_layers else int(slots) - buffers
         if n_resident < 0:

@@ -8,10 +8,14 @@ Beside them, the checks of what a user asks for before any weight is read: the m
 """
 
 import copy
+import fcntl
 import hashlib
 import json
 import os
+import shutil
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -52,6 +56,11 @@ def pread_into(fd: int, buffer: torch.Tensor, file_offset: int, path: Path, need
 
 def first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def one_line(err: BaseException) -> str:
+    """The whole message on one line (transformers puts the reason on a second one)."""
+    return " ".join(str(err).split())[:300] or type(err).__name__
 
 
 def open_direct(path: Path) -> int:
@@ -98,15 +107,39 @@ def load_configs(folder: Path):
         generation = None
         if (folder / "generation_config.json").is_file():
             generation = GenerationConfig.from_pretrained(folder)
-    except (OSError, ValueError, KeyError) as err:
-        raise OffloadError(f"{folder}: cannot load its config ({first_line(err)})") from None
+    except Exception as err:  # transformers checks values as it reads them, with its own errors
+        raise OffloadError(f"{folder}: cannot load its config ({one_line(err)})") from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise OffloadError(f"{folder}: {config.model_type!r} is no causal LM of transformers")
+    counts = ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings")
+    for name in counts[:3]:
+        check_count(config, name, folder)  # 0 or -1 layers build an empty model without a word
+    skeleton(config, folder)  # an unknown activation or rope type: its own one-line error
     try:
         specexec.listen_to_layers(config)
     except specexec.SpecExecError as err:
         raise OffloadError(f"{folder}: {err}") from None
+    check_count(config, counts[3], folder)  # the context (specexec.context_length)
     return config, generation
+
+
+def check_count(config, name: str, folder: Path) -> None:
+    value = getattr(config, name, None)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise OffloadError(f"{folder}: config.json gives {name} {value!r}, not a count >= 1")
+
+
+def skeleton(config, folder: Path, dtype=None) -> torch.nn.Module:
+    """The model the config describes, on the meta device: its names, shapes and code, no bytes.
+
+    An unknown activation or rope type only fails here, when transformers builds the model."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except Exception as err:
+        raise OffloadError(f"{folder}: cannot build its model ({one_line(err)})") from None
 
 
 def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
@@ -171,6 +204,12 @@ class Checkpoint:
     """The tensors of a model folder: safetensors shards (read by byte range) or .bin shards."""
 
     def __init__(self, folder: Path):
+        try:
+            self.find_tensors(folder)
+        except OSError as err:  # unreadable (a hub cache file of mode 600 that is not ours)
+            raise OffloadError(f"cannot read {err.filename or folder}: {err.strerror}") from None
+
+    def find_tensors(self, folder: Path) -> None:
         self.folder, self.shards = folder, []
         self.entries: dict[str, Entry] = {}  # safetensors: where each tensor's bytes are
         self.mapped: dict[str, torch.Tensor] = {}  # .bin: tensors memory-mapped by torch.load
@@ -178,7 +217,7 @@ class Checkpoint:
         for weights in ("model.safetensors", "pytorch_model.bin"):
             index = folder / f"{weights}.index.json"
             if index.exists():
-                try:
+                try:  # "metadata" (the total size) is optional: the weight map is what we read
                     files = json.loads(index.read_text())["weight_map"].values()
                 except (ValueError, KeyError, TypeError, AttributeError):
                     raise OffloadError(f"corrupt checkpoint index {index}") from None
@@ -215,6 +254,7 @@ class Checkpoint:
             rename_source_key,
         )
 
+        self.sources = {}  # named again for this model
         rules = get_model_conversion_mapping(model)
         converters = [rule for rule in rules if isinstance(rule, WeightConverter)]
         renamings = [rule for rule in rules if not isinstance(rule, WeightConverter)]
@@ -246,6 +286,11 @@ class Checkpoint:
         for key, pattern in sources:
             rule.add_tensor(name, key, pattern, partial(load, key))
         return rule.convert(name)[name]
+
+    def names(self) -> set[str]:
+        """The model's names for the stored tensors (a mixture's experts stacked: `name_as`)."""
+        renamed = {key for _, sources in self.sources.values() for key, _ in sources}
+        return (self.entries.keys() | self.mapped.keys()) - renamed | self.sources.keys()
 
     def spec(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
         """Stored dtype and shape of one tensor."""
@@ -282,8 +327,10 @@ class Checkpoint:
         self.check(name, tuple(shape))
         return self.convert(name, self.stored) if name in self.sources else self.stored(name)
 
-    def layer_dtype(self) -> torch.dtype:
-        """The dtype decoder layer 0 is stored in: that of its first tensor."""
+    @property
+    def dtype(self) -> torch.dtype:
+        """What its decoder layers are stored in ("the checkpoint's own dtype"): layer 0's first
+        tensor's."""
         names = sorted(n for n in [*self.entries, *self.mapped] if n.startswith("model.layers.0."))
         if not names:
             raise OffloadError(f"{self.folder}: no decoder layers at model.layers to stream")
@@ -299,15 +346,101 @@ class Checkpoint:
         return hashlib.sha1(repr((str(self.folder.resolve()), stamps)).encode()).hexdigest()[:12]
 
 
+# ---- one check and one load of a model folder, in memory or offloaded ----
+
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def open_checkpoint(folder: Path, config, dtype=None) -> tuple[Checkpoint, torch.nn.Module]:
+    """The checkpoint, and the model its config describes (on meta, in `dtype`, by default the
+    checkpoint's own), checked to fill it exactly.
+
+    The one check of a folder's weights, whether the model then runs in memory (cli.load_model)
+    or offloaded (offload.from_pretrained): a folder is refused by both tiers or by neither."""
+    ckpt = Checkpoint(folder)
+    model = skeleton(config, folder, dtype or ckpt.dtype)
+    ckpt.name_as(model)  # a mixture's experts: stored one by one, stacked in the model
+    check_weights(ckpt, model)
+    return ckpt, model
+
+
+def ties_head(model: torch.nn.Module) -> bool:
+    """Whether the LM head is the embedding (tie_word_embeddings), as the built model has it."""
+    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+def check_weights(ckpt: Checkpoint, model: torch.nn.Module) -> None:
+    """No weight missing, none the model has no place for, none of another shape.
+
+    Hugging Face fills a missing weight with random numbers and runs; we refuse. A tied head
+    needs no lm_head.weight; a stored one is accepted only if it equals the embedding, so that
+    no reader can take the one for the other."""
+    want = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    have = {name: ckpt.spec(name)[1] for name in ckpt.names()}
+    if ties_head(model):
+        del want[HEAD]
+        if HEAD in have and not (
+            have[HEAD] == have.get(EMBEDDING)
+            and torch.equal(ckpt.tensor(HEAD, have[HEAD]), ckpt.tensor(EMBEDDING, have[HEAD]))
+        ):
+            raise OffloadError(
+                f"{ckpt.folder}: config.json ties lm_head to the embedding (tie_word_embeddings), "
+                "but the checkpoint holds another lm_head.weight"
+            )
+        have.pop(HEAD, None)
+    common = sorted(want.keys() & have.keys())
+    for names, what in [
+        (want.keys() - have.keys(), "lacks {n} weights its config.json asks for"),
+        (have.keys() - want.keys(), "holds {n} weights its config.json has no place for"),
+        (
+            [f"{name} {have[name]} vs {want[name]}" for name in common if have[name] != want[name]],
+            "has {n} weights of another shape than its config.json gives",
+        ),
+    ]:
+        if names:
+            first = sorted(names)[0] + (", ..." if len(names) > 1 else "")
+            raise OffloadError(
+                f"{ckpt.folder}: the checkpoint {what.format(n=len(names))} ({first})"
+            )
+
+
+def load_weights(ckpt: Checkpoint, model, device, dtype, generation, layers=True) -> None:
+    """Give `model` (checked by open_checkpoint) the checkpoint's tensors on `device` in `dtype`:
+    all of them, or with layers=False all but the decoder layers' (offload.py streams those)."""
+    tied = ties_head(model)
+    # Buffers (rotary frequencies, Gemma's embedding scale) are computed, not stored: give them
+    # memory on the device and let the model's own initializer compute them, while the
+    # parameters are still meta (it would overwrite loaded ones).
+    for name, buffer in list(model.named_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = torch.empty_like(buffer, device=device)
+    for owner in {name.rpartition(".")[0] for name, _ in model.named_buffers()}:
+        model._init_weights(model.get_submodule(owner))
+    tensors = {
+        name: ckpt.tensor(name, param.shape).to(device=device, dtype=dtype)
+        for name, param in model.named_parameters()  # a tied head is listed once, as EMBEDDING
+        if layers or not name.startswith("model.layers.")
+    }
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if tied:  # the head still holds the embedding's meta tensor: tie it to the new one
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if generation is not None:
+        model.generation_config = generation
+    model.requires_grad_(False).eval()
+
+
+# ---- the converted copy: one safetensors file per layer ----
+
+
 def convert(ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, offload_dir, kind=None) -> Path:
     """Write one safetensors file per layer, in `dtype` or quantized (kind "int8" or "int4", as
-    quantize.quantize_layer stores it), once; later runs reuse the folder.
+    quantize.quantize_layer stores it), once; later runs check the folder and reuse it.
 
-    Every file is written under a temporary name, then renamed, and the manifest goes last: a
-    folder left by a failed run (disk full, killed) is never taken for a finished one.
+    The manifest goes last and records each file's size and SHA-256: a folder left by a failed
+    run (disk full, killed) is never taken for a finished one, and a copy damaged since (bytes
+    zeroed, files swapped) is written again. One run at a time writes into or checks a copy in
+    offload_dir (a lock on it): a second run waits, then reuses what the first wrote.
     """
-    from safetensors.torch import save
-
     import quantize  # here: quantize.py imports this module's OffloadError
 
     if offload_dir is None:
@@ -317,31 +450,92 @@ def convert(ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, offload_dir, k
     folder = Path(offload_dir).expanduser() / f"{ckpt.folder.name}-{ckpt.fingerprint()}-{label}"
     manifest = {"source": str(ckpt.folder.resolve()), "dtype": dtype_name, "layers": n_layers}
     manifest["quantize"] = kind
-    done, files = (
-        folder / "manifest.json",
-        [folder / f"layer_{i:03d}.safetensors" for i in range(n_layers)],
-    )
-    try:  # a manifest that is not JSON, or a layer file lost since: converted again
-        if json.loads(done.read_text()) == manifest and all(file.is_file() for file in files):
-            return folder  # converted by an earlier run
-    except (OSError, ValueError):
-        pass
-    stored = quantize.stored_layer(shapes, dtype, kind)  # meta; fails now if it cannot be
-    nbytes = n_layers * sum(tensor.nbytes for tensor in stored.values())
-    print(
-        f"offload: writing a {nbytes / 1e9:.2f} GB {label} per-layer copy of {ckpt.folder} "
-        f"into {folder} (reused next time; delete it to free the space)",
-        file=sys.stderr,
-    )
+    files = [folder / f"layer_{i:03d}.safetensors" for i in range(n_layers)]
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        for i in tqdm(range(n_layers), desc=f"offload: converting layers into {folder}"):
-            tensors = quantize.quantize_layer(ckpt.layer(i, shapes), dtype, kind)
-            write_then_rename(files[i], save(tensors))
-        write_then_rename(done, json.dumps(manifest).encode())
+        Path(offload_dir).mkdir(parents=True, exist_ok=True)
+        with locked(Path(offload_dir)):
+            damage = copy_damage(folder, manifest, files)
+            if damage is None:
+                return folder  # converted by an earlier run
+            stored = quantize.stored_layer(shapes, dtype, kind)  # meta; fails now if it cannot be
+            size = f"{len(files) * sum(t.nbytes for t in stored.values()) / 1e9:.2f} GB {label}"
+            if damage:
+                say = f"the {size} copy in {folder} is damaged ({damage}); writing it again"
+            else:
+                say = (
+                    f"writing a {size} per-layer copy of {ckpt.folder} into {folder} "
+                    "(reused next time; delete it to free the space)"
+                )
+            print(f"offload: {say}", file=sys.stderr)
+            write_copy(ckpt, shapes, dtype, kind, folder, manifest, files)
     except OSError as err:
         raise OffloadError(f"cannot write offload folder {folder}: {err.strerror or err}") from None
     return folder
+
+
+@contextmanager
+def locked(folder: Path):
+    """Hold an exclusive lock on `folder` (flock, released when its descriptor closes)."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"offload: waiting for another run using {folder}", file=sys.stderr)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def copy_damage(folder: Path, manifest: dict, files: list[Path]) -> str | None:
+    """None if `folder` holds the finished copy `manifest` describes, else what is wrong ("" if
+    it was never finished). Sizes first; then every file's SHA-256, read once at open: about one
+    target pass of reading (the ssd tier reads the whole copy every pass), on all cores."""
+    try:
+        written = json.loads((folder / "manifest.json").read_text())
+        sizes, digests = zip(*(written["files"][file.name] for file in files))  # as written
+        if {**manifest, "files": written["files"]} != written:
+            return "its manifest.json describes another copy"
+    except FileNotFoundError:
+        return ""
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its manifest.json is not one this version wrote"
+    for file, size in zip(files, sizes):
+        if not file.is_file() or file.stat().st_size != size:
+            return f"{file.name} is missing or not {size} bytes"
+    with ThreadPoolExecutor() as pool:  # hashlib lets go of the GIL: one file per core
+        for file, digest, found in zip(files, digests, pool.map(sha256, files)):
+            if found != digest:
+                return f"{file.name} is not the file that was written"
+    return None
+
+
+def sha256(path: Path) -> str:
+    with open(path, "rb") as file:
+        return hashlib.file_digest(file, "sha256").hexdigest()
+
+
+def write_copy(ckpt, shapes, dtype, kind, folder: Path, manifest: dict, files: list[Path]):
+    """Convert every layer into its file, then write the manifest; on any failure remove them."""
+    from safetensors.torch import save
+
+    import quantize
+
+    sums = {}
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "manifest.json").unlink(missing_ok=True)  # unfinished until written again
+        for i in tqdm(range(len(files)), desc=f"offload: converting layers into {folder}"):
+            data = save(quantize.quantize_layer(ckpt.layer(i, shapes), dtype, kind))
+            write_then_rename(files[i], data)
+            sums[files[i].name] = [len(data), hashlib.sha256(data).hexdigest()]
+        write_then_rename(
+            folder / "manifest.json", json.dumps({**manifest, "files": sums}).encode()
+        )
+    except BaseException:  # a full disk, Ctrl-C: what was written is of no use, only takes space
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
 
 
 def write_then_rename(path: Path, data: bytes) -> None:

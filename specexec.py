@@ -34,6 +34,12 @@ its cache lacks (the "trunk") before anything else. The first step's trunk is th
 `speculative_step` checks the invariant at the end of every step.
 """
 
+if __name__ == "__main__":  # `python specexec.py`: the command line, before the slow imports below
+    import cli  # (it imports this file as `specexec`, and exits quietly on Ctrl-C meanwhile)
+
+    cli.main()
+    raise SystemExit
+
 import heapq
 import math
 import numbers
@@ -210,12 +216,12 @@ def context_length(config):
     return config.max_position_embeddings
 
 
-def check_same_vocab_size(target, draft):
+def check_same_vocab_size(target_config, draft_config):
     """Token ids must mean the same in both models (the CLI also compares token strings)."""
-    if draft.config.vocab_size > target.config.vocab_size:
+    if draft_config.vocab_size > target_config.vocab_size:
         raise SpecExecError(
-            f"the draft's vocabulary ({draft.config.vocab_size}) is larger than the target's "
-            f"({target.config.vocab_size}); they must share a tokenizer"
+            f"the draft's vocabulary ({draft_config.vocab_size}) is larger than the target's "
+            f"({target_config.vocab_size}); they must share a tokenizer"
         )
 
 
@@ -252,11 +258,28 @@ def prompt_tokens(input_ids, limit, **models):
 
 
 def stop_tokens(eos_token_id, model):
-    """Token ids to stop after: those given (an int or a list), else the model's generation
-    config's. `eos_token_id=[]` never stops early."""
+    """Token ids to stop after: those given (an integer, numpy's and tensors' too, or a list of
+    them), else the model's generation config's. `eos_token_id=[]` never stops early."""
     if eos_token_id is None:
         eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    return {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+    ids = eos_token_id.tolist() if hasattr(eos_token_id, "tolist") else eos_token_id  # tensors
+    ids = ids if isinstance(ids, (list, tuple, set, frozenset)) else [] if ids is None else [ids]
+    for token in ids:  # a string is no list of ids, nor True the id 1
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+            raise SpecExecError(f"eos_token_id must be token ids (integers), got {token!r}")
+    return {int(token) for token in ids}
+
+
+def check_finite(logits, role):
+    """NaN or inf logits (broken weights, a negative rms_norm_eps) would pick token 0 or garbage
+    and run on; checked once per pass, on the rows the pass's choices are made from. A NaN or
+    inf anywhere makes the sum NaN or inf: one reduction, 20x cheaper than isfinite().all(),
+    summed in float32 so that half-precision logits cannot overflow it."""
+    if not math.isfinite(logits.sum(dtype=torch.float32)):
+        raise SpecExecError(
+            f"the {role} model computes logits that are not finite (NaN or inf): "
+            "its weights or its config.json (e.g. rms_norm_eps) are broken"
+        )
 
 
 # ---- sampling helpers ----
@@ -467,6 +490,7 @@ class DraftTree:
 
         logprobs: (len(nodes), vocab), the draft's next-token log-probabilities at each node.
         """
+        check_finite(logprobs, "draft")
         top = torch.topk(logprobs, min(branch, logprobs.shape[-1]))  # (len(nodes), branch) each
         for node, values, tokens in zip(nodes, top.values.tolist(), top.indices.tolist()):
             for logprob, token in zip(values, tokens):
@@ -579,6 +603,7 @@ def accept(tree, kept, logits, opts, rng):
     while True:
         token = choose(logits[row[node]], opts, rng)  # one uniform draw per visited node
         if (node, token) not in child:
+            check_finite(logits[[row[visited] for visited in [0, *path]]], "target")
             return path, token
         node = child[(node, token)]
         path.append(node)
@@ -813,7 +838,7 @@ def generate(target, draft, input_ids, *, eos_token_id=None, on_tokens=None, **o
     from transformers import DynamicCache
 
     opts = Options(**options)
-    check_same_vocab_size(target, draft)
+    check_same_vocab_size(target.config, draft.config)
     limit = min(context_length(target.config), context_length(draft.config))
     seq = prompt_tokens(input_ids, limit, target=target, draft=draft)
     target_cache, draft_cache = DynamicCache(), DynamicCache()
@@ -852,6 +877,7 @@ def autoregressive(model, input_ids, *, eos_token_id=None, on_tokens=None, **opt
         with timer(stats, "time_target", model.device):
             trunk = seq[cache.get_seq_length() :]
             logits = tree_forward(model, cache, trunk, chain(len(trunk)))  # (len(trunk), vocab)
+            check_finite(logits[-1], "target")
             return [choose(logits[-1], opts, rng)]
 
     return decode_loop(step, seq, opts, limit, stop_tokens(eos_token_id, model), on_tokens)
@@ -861,11 +887,8 @@ def autoregressive(model, input_ids, *, eos_token_id=None, on_tokens=None, **opt
 
 
 def main(argv=None):
-    """`python specexec.py --help`: the command line lives in cli.py, with model loading."""
+    """`python specexec.py --help`: the command line lives in cli.py, with model loading (and
+    runs from the top of this file, before its imports)."""
     import cli
 
     cli.main(argv)
-
-
-if __name__ == "__main__":
-    main()

@@ -7,6 +7,7 @@ traceback, nothing written; Ctrl-C exits with 130 and a closed pipe quietly.
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -28,30 +29,42 @@ needs_pair = pytest.mark.skipif(
 )
 
 
-def cli_run(*argv, env=None, timeout=300):
-    """`python specexec.py ARGV` in a subprocess; returns the CompletedProcess."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+def clean_env(**changes):
+    """os.environ without the user's Hugging Face settings (HF_HUB_OFFLINE and friends), which
+    would change what a hub id does, plus `changes`; one thread per run."""
+    hub = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_")
+    env = {name: value for name, value in os.environ.items() if not name.startswith(hub)}
+    return {**env, "OMP_NUM_THREADS": "1", **changes}
+
+
+def cli_run(*argv, env=None, timeout=300, script=HERE / "specexec.py", **options):
+    """`python specexec.py ARGV` in a subprocess; returns the CompletedProcess. The timeout only
+    catches a hang; `options` go to subprocess.run (stdout=, preexec_fn=)."""
+    options = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **options}
     return subprocess.run(
-        [sys.executable, str(HERE / "specexec.py"), *argv],
-        capture_output=True, text=True, env=env, timeout=timeout, cwd=HERE,
+        [sys.executable, str(script), *argv], text=True, env=clean_env(**(env or {})),
+        timeout=timeout, cwd=script.parent, **options,
     )  # fmt: skip
 
 
 def cli_run_all(cases):
-    """Several CLI runs at once (each one mostly imports torch): [(argv, env)] -> results."""
+    """Several CLI runs at once (each one mostly imports torch): [(argv, options of cli_run)]."""
     with ThreadPoolExecutor(max_workers=4) as pool:
-        return list(pool.map(lambda case: cli_run(*case[0], env=case[1]), cases))
+        return list(pool.map(lambda case: cli_run(*case[0], **case[1]), cases))
 
 
-def check_errors(cases):
-    """cases: [(argv, message) or (argv, message, env)]; each must fail in one clean line."""
-    results = cli_run_all([(case[0], case[2] if len(case) > 2 else None) for case in cases])
+def check_errors(cases, written=""):
+    """cases: [(argv, message) or (argv, message, options of cli_run)]; each must fail in one
+    clean line, having written `written` (nothing, or the prompt where it fails as it runs)."""
+    results = cli_run_all([(case[0], case[2] if len(case) > 2 else {}) for case in cases])
     wrong = []
     for (argv, message, *_), result in zip(cases, results):
-        err = result.stderr
-        one_clean_line = err.startswith("error: ") and err.count("\n") == 1
-        if result.returncode != 2 or not one_clean_line or message not in err:
-            wrong.append(f"{argv}: exit {result.returncode}, stderr {err[-600:]!r}")
+        err = result.stderr.splitlines()
+        one_clean_line = len(err) == 1 and err[0].startswith("error: ")
+        if result.returncode != 2 or not one_clean_line or message not in err[-1]:
+            wrong.append(f"{argv}: exit {result.returncode}, stderr {result.stderr[-600:]!r}")
+        elif result.stdout not in (written, None):  # None: stdout went elsewhere
+            wrong.append(f"{argv}: wrote {result.stdout[-600:]!r}")
     assert not wrong, "\n".join(wrong)
 
 
@@ -79,6 +92,15 @@ def edit_json(path, **changes):
     path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
 
 
+def edit_tensors(folder, edit):
+    """edit(tensors) changes a model's tensors (a dict) in place; saved back into its folder."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
 # ---- bad options and prompts ----
 
 
@@ -99,6 +121,7 @@ def test_bad_options_fail_in_one_line(tmp_path):
     (mamba / "config.json").write_text(json.dumps({"model_type": "mamba", "num_hidden_layers": 2}))
     shutil.copytree(good, no_window)
     edit_json(no_window / "config.json", model_type="mistral", sliding_window=0)
+    wider = save_tiny(tmp_path / "wider", vocab=80)  # the same 64 words over 80 embedding rows
     pair = ["--target", good, "--draft", good, "--prompt", "w1 w2"]
     offline = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     no_hub = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}  # refused
@@ -124,8 +147,15 @@ def test_bad_options_fail_in_one_line(tmp_path):
         ([*pair, "--offload", "ram", "--device-memory", "1e-6"], "leaving too little for 2"),
         ([*pair, "--device-memory", "nan"], "nan is not a finite number"),
         (["--target", good, "--draft", "int4", "--prompt", "w1"], "int4 quantizes groups of 64"),
-        (["--target", "nobody/no-such-model"], "HF_HUB_OFFLINE is set", offline),
-        (["--target", "nobody/no-such-model"], "127.0.0.1 cannot be reached", no_hub),
+        (["--target", "nobody/no-such-model"], "HF_HUB_OFFLINE is set", {"env": offline}),
+        (["--target", "nobody/no-such-model"], "127.0.0.1 cannot be reached", {"env": no_hub}),
+        (["--target", "", "--draft", good], "--target is empty"),  # not the default pair
+        ([*pair, "--draft", ""], "--draft is empty"),
+        ([*pair, "--prompt", b"w1 \xff"], "--prompt is not UTF-8 text (byte 0xff at character 3)"),
+        ([*pair, "--max-new-tokens", "0", "--compare"], "--compare times decoding"),
+        ([*pair, "--threads", "100000"], "--threads 100000: this machine has"),
+        (pair, "encoding ascii cannot write all", {"env": {"PYTHONIOENCODING": "ascii"}}),
+        (["--target", good, "--draft", wider, "--prompt", "w1"], "draft's vocabulary (80) is"),
     ]
     if (PAIR / "prompts.json").exists():
         count = len(json.loads((PAIR / "prompts.json").read_text()))
@@ -141,12 +171,13 @@ def test_bad_options_fail_in_one_line(tmp_path):
     check_errors(cases)
 
 
-def test_hub_id_offline_fails_fast():
-    """A dead network costs one quick look, not the hub client's half minute of retries."""
-    start = time.perf_counter()
-    result = cli_run("--target", "nobody/no-such-model", env={"HF_ENDPOINT": "http://127.0.0.1:9"})
-    assert result.returncode == 2 and "local model folder" in result.stderr
-    assert "Retrying" not in result.stderr and time.perf_counter() - start < 120
+def test_hub_id_offline_fails_fast(tmp_path):
+    """A dead network costs one quick look, not the hub client's half minute of retries (which
+    it announces); the timeout only catches a hang, so a slow machine does not fail this."""
+    no_hub = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path)}
+    result = cli_run("--target", "nobody/no-such-model", env=no_hub, timeout=600)
+    assert result.returncode == 2 and "127.0.0.1 cannot be reached" in result.stderr
+    assert "local model folder" in result.stderr and "Retrying" not in result.stderr
 
 
 # ---- damaged model folders ----
@@ -175,6 +206,8 @@ def damaged_folders(root):
     edit_json(copy("wrong shapes") / "config.json", intermediate_size=72)
     edit_json(copy("more layers than the checkpoint") / "config.json", num_hidden_layers=3)
     edit_json(copy("fewer layers than the checkpoint") / "config.json", num_hidden_layers=1)
+    edit_tensors(copy("junk tensor"), lambda tensors: tensors.update(junk=torch.zeros(3)))
+    edit_json(copy("tied head conflict") / "config.json", tie_word_embeddings=True)  # own head
     (copy("no tokenizer files") / "tokenizer.json").unlink()
     (copy("broken tokenizer") / "tokenizer.json").write_text('{"version": ')
     (copy("tokenizer not json") / "tokenizer.json").write_text('{"model": 7}')
@@ -192,6 +225,8 @@ MESSAGES = {
     "wrong shapes": "weights of another shape",
     "more layers than the checkpoint": "lacks 9 weights its config.json asks for",
     "fewer layers than the checkpoint": "holds 9 weights its config.json has no place for",
+    "junk tensor": "holds 1 weights its config.json has no place for (junk)",
+    "tied head conflict": "ties lm_head to the embedding (tie_word_embeddings), but the",
     "no tokenizer files": "cannot load its tokenizer",
     "broken tokenizer": "cannot load its tokenizer",
     "tokenizer not json": "cannot load its tokenizer",
@@ -204,15 +239,245 @@ def test_damaged_model_folders_fail_in_one_line_and_write_nothing(tmp_path):
     assert set(folders) == set(MESSAGES)
     offload_dir = tmp_path / "offload"
     prompt = ["--prompt", "w1 w2", "--max-new-tokens", "4"]
+    ssd = ["--offload", "ssd", "--dtype", "float64", "--offload-dir", str(offload_dir)]
+    # As the draft in memory; as the target in memory, and offloaded where the offloaded load
+    # once let a folder through (a layer too many, a junk tensor, a head of its own that the
+    # config ties) or reads it first (shards). The next test holds every folder to every tier.
+    tiers = {"fewer layers than the checkpoint": [["--offload", "ram"], ssd]}
+    tiers |= {"junk tensor": [["--offload", "ram"], ssd], "tied head conflict": [ssd]}
+    for what in ("truncated safetensors", "corrupt bin", "index naming a missing shard"):
+        tiers[what] = [ssd]
     cases = []
     for what, folder in folders.items():
-        cases.append((["--target", str(folder), "--draft", good, *prompt], MESSAGES[what]))
+        for tier in [[], *tiers.get(what, [])]:
+            cases.append(
+                (["--target", str(folder), "--draft", good, *prompt, *tier], MESSAGES[what])
+            )
         cases.append((["--target", good, "--draft", str(folder), *prompt], MESSAGES[what]))
-    for what in ("truncated safetensors", "corrupt bin", "index naming a missing shard"):
-        ssd = ["--offload", "ssd", "--dtype", "float64", "--offload-dir", str(offload_dir)]
-        cases.append((["--target", str(folders[what]), "--draft", good, *prompt, *ssd], "shard"))
     check_errors(cases)
     assert not offload_dir.exists()  # refused before any conversion began
+
+
+def test_both_tiers_refuse_the_same_folders_in_the_same_words(tmp_path):
+    """One check of a folder's weights for every tier: cli.load_model (in memory) and
+    offload.from_pretrained (ram, ssd) refuse a folder with the same line, or all load it."""
+    import offload
+
+    _, folders = damaged_folders(tmp_path)
+    ssd = {"mode": "ssd", "dtype": "float64", "offload_dir": tmp_path / "offload"}
+    loads = [
+        lambda folder: cli.load_model(folder, "cpu", torch.float64),
+        lambda folder: offload.from_pretrained(folder, mode="ram", device="cpu").close(),
+        lambda folder: offload.from_pretrained(folder, device="cpu", **ssd).close(),
+    ]
+    refused = set()
+    for what, folder in folders.items():
+        said = []
+        for load in loads:
+            try:
+                load(folder)
+                said.append(None)
+            except (specexec.SpecExecError, cli.OffloadError) as error:
+                said.append(str(error))
+        assert said[0] == said[1] == said[2], (what, said)
+        refused |= {what} if said[0] else set()
+    assert refused == set(MESSAGES) - {
+        "no tokenizer files",
+        "broken tokenizer",
+        "tokenizer not json",
+        "small vocab",
+    }
+
+
+def test_sound_but_unusual_checkpoints_load_alike_in_memory_and_offloaded(tmp_path):
+    """Oracle: Hugging Face's own loading. A sharded index without "metadata" (which
+    transformers cannot read) and a tied head stored beside the embedding it equals load in
+    memory and offloaded, with the logits transformers gives."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    import offload
+
+    good = Path(save_tiny(tmp_path / "good"))
+    sharded = Path(shutil.copytree(good, tmp_path / "sharded"))  # two shards, an index
+    tensors, weight_map = load_file(sharded / "model.safetensors"), {}
+    for i, names in enumerate([sorted(tensors)[::2], sorted(tensors)[1::2]]):
+        save_file({name: tensors[name] for name in names}, sharded / f"part-{i}.safetensors")
+        weight_map |= {name: f"part-{i}.safetensors" for name in names}
+    (sharded / "model.safetensors").unlink()
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    tied = Path(shutil.copytree(good, tmp_path / "tied"))
+    edit_json(tied / "config.json", tie_word_embeddings=True)
+    edit_tensors(tied, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"] + 0}))
+    ids = torch.tensor([[1, 2, 3, 4]])
+    for folder, oracle in [(good, good), (sharded, good), (tied, tied)]:
+        expected = AutoModelForCausalLM.from_pretrained(oracle).eval()(ids).logits
+        with torch.no_grad():
+            in_memory = cli.load_model(folder, "cpu", None)(ids).logits
+            with offload.from_pretrained(folder, mode="ram", device="cpu") as model:
+                offloaded = model(ids).logits
+        torch.testing.assert_close(in_memory, expected, rtol=0, atol=0)
+        torch.testing.assert_close(offloaded, expected, rtol=1e-5, atol=1e-5)
+
+
+BAD_CONFIGS = {  # what: (config.json changes, message)
+    "heads that do not divide the hidden size": (
+        {"hidden_size": 30, "head_dim": None},
+        "not a multiple of the number of attention heads",
+    ),
+    "a number as a string": ({"hidden_size": "32"}, "expected int, got str"),
+    "an integer rms_norm_eps": ({"rms_norm_eps": -1}, "expected float, got int"),
+    "an unknown rope type": (
+        {"rope_parameters": {"rope_type": "wobbly", "rope_theta": 1e4}},
+        "cannot build its model ('wobbly')",
+    ),
+    "an unknown activation": ({"hidden_act": "wiggle"}, "cannot build its model ('wiggle')"),
+    "dtype float128": ({"dtype": "float128"}, "no attribute 'float128'"),
+    "no layers": ({"num_hidden_layers": 0}, "num_hidden_layers 0, not a count >= 1"),
+    "-1 layers": ({"num_hidden_layers": -1}, "num_hidden_layers -1, not a count >= 1"),
+}
+
+
+def test_config_values_transformers_refuses_fail_in_one_line(tmp_path):
+    """Every one through both loaders; three also as a user runs them (one line, exit 2)."""
+    import offload
+
+    good = save_tiny(tmp_path / "good")
+    cases = []
+    for what, (changes, message) in BAD_CONFIGS.items():
+        folder = shutil.copytree(good, tmp_path / what.replace(" ", "_"))
+        edit_json(folder / "config.json", **changes)
+        for load in (cli.load_model, offload.from_pretrained):
+            with pytest.raises(cli.OffloadError, match=re.escape(message)) as caught:
+                load(folder, device="cpu", dtype=None)
+            assert "\n" not in str(caught.value)
+        if what in ("a number as a string", "an unknown activation", "no layers"):
+            tier = ["--offload", "ram"] if "layers" in what else []  # an empty model to stream
+            cases.append(
+                (["--target", str(folder), "--draft", good, "--prompt", "w1", *tier], message)
+            )
+    check_errors(cases)
+
+
+def test_non_finite_logits_stop_the_run_naming_the_model(tmp_path):
+    """NaN weights, an infinite norm, rms_norm_eps -1.0: NaN logits would pick id 0 (an EOS)
+    and end the run as if it were done; instead one line names the model that computes them."""
+    good = Path(save_tiny(tmp_path / "good"))
+    nan, inf, eps = (shutil.copytree(good, tmp_path / name) for name in ("nan", "inf", "eps"))
+    edit_tensors(nan, lambda t: t["model.layers.1.mlp.down_proj.weight"][0].fill_(float("nan")))
+    edit_tensors(inf, lambda t: t["model.norm.weight"][3].fill_(float("inf")))
+    edit_json(eps / "config.json", rms_norm_eps=-1.0)
+    run = ["--prompt", "w1 w2", "--max-new-tokens", "4"]
+    target = "the target model computes logits that are not finite (NaN or inf)"
+    check_errors(
+        [
+            (["--target", str(nan), "--draft", str(good), *run], target),
+            (["--target", str(inf), "--draft", str(good), *run, "--offload", "ssd"], target),
+            (["--target", str(good), "--draft", str(eps), *run], "the draft model computes"),
+        ],
+        written="w1 w2\n--- continuation ---\n",  # the prompt, then the error
+    )
+
+
+def drop_root_file_access():
+    """In the child, before exec: root without CAP_DAC_OVERRIDE/READ_SEARCH obeys file modes."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for capability in (1, 2):  # PR_CAPBSET_DROP = 24
+        libc.prctl(24, capability, 0, 0, 0)
+
+
+def test_unreadable_weights_and_folders_fail_in_one_line(tmp_path):
+    """A hub cache file of mode 600 that belongs to another user, say."""
+    good = Path(save_tiny(tmp_path / "good"))
+    weights, folder = (shutil.copytree(good, tmp_path / name) for name in ("weights", "folder"))
+    as_user = drop_root_file_access if os.geteuid() == 0 else None
+    (weights / "model.safetensors").chmod(0)
+    folder.chmod(0)
+    try:
+        probe = [sys.executable, "-c", f"open({str(weights / 'model.safetensors')!r})"]
+        if subprocess.run(probe, preexec_fn=as_user, capture_output=True).returncode == 0:
+            pytest.skip("this user reads files of mode 000")
+        run, user = ["--draft", str(good), "--prompt", "w1"], {"preexec_fn": as_user}
+        unreadable = f"cannot read {weights}/model.safetensors: Permission denied"
+        check_errors(
+            [
+                (["--target", str(weights), *run], unreadable, user),
+                (["--target", str(weights), *run, "--offload", "ram"], unreadable, user),
+                (["--target", str(folder), *run], f"{folder}: cannot read this folder", user),
+            ]
+        )
+    finally:
+        folder.chmod(0o755)
+
+
+# ---- an output that cannot be written, Ctrl-C, damaged default prompts ----
+
+
+def test_output_that_cannot_be_written_fails_in_one_line(tmp_path):
+    """stdout on a full disk (/dev/full), over `ulimit -f`, or closed (`>&-`)."""
+    import resource
+
+    good = save_tiny(tmp_path / "good")
+    run = ["--target", good, "--draft", good, "--prompt", "w1 w2", "--max-new-tokens", "60"]
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))  # noqa: E731
+    close_stdout = lambda: os.close(1)  # noqa: E731
+    with open("/dev/full", "w") as full, open(tmp_path / "small.txt", "w") as small:
+        check_errors(
+            [
+                (["--help"], "cannot write the output (No space left on device)", {"stdout": full}),
+                (run, "cannot write the output (No space left on device)", {"stdout": full}),
+                (
+                    run,
+                    "cannot write the output (File too large)",
+                    {"stdout": small, "preexec_fn": limit},
+                ),
+                (
+                    run,
+                    "output is closed",
+                    {"stdout": subprocess.DEVNULL, "preexec_fn": close_stdout},
+                ),
+            ]
+        )
+
+
+def test_ctrl_c_while_importing_exits_130_quietly(tmp_path):
+    """The first seconds go to `import torch`; Ctrl-C there is no traceback either."""
+    good = save_tiny(tmp_path / "good")
+    process = start_cli("--target", good, "--draft", good, "--prompt", "w1")
+    maps = Path(f"/proc/{process.pid}/maps")
+    while process.poll() is None and "libtorch" not in maps.read_text():  # torch is loading
+        time.sleep(0.002)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=300)
+    assert process.returncode == 130 and err == b"" and out == b"", err
+
+
+def copy_modules(folder):
+    """The modules alone, as `pip install .` puts them, in `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for module in ("specexec.py", "cli.py", "offload.py", "offload_files.py", "quantize.py"):
+        shutil.copy(HERE / module, folder / module)
+    return folder / "specexec.py"
+
+
+def test_damaged_default_prompts_fail_in_one_line(tmp_path):
+    good = save_tiny(tmp_path / "good")
+    cases = {
+        "not json": '[{"prompt": "x"}, {"prom',
+        "no prompt": '[{"text": "x"}]',
+        "a prompt that is no text": '[{"prompt": 7}]',
+        "no list": '{"prompt": "x"}',
+    }
+    runs = []
+    for what, text in cases.items():
+        script = copy_modules(tmp_path / what.replace(" ", "_"))
+        (script.parent / "models").mkdir()
+        (script.parent / "models" / "prompts.json").write_text(text)
+        argv = ["--target", good, "--draft", good, "--prompt-index", "0"]
+        runs.append((argv, "prompts.json is damaged (", {"script": script}))
+    check_errors(runs)
 
 
 # ---- chat templates ----
@@ -276,7 +541,7 @@ def test_cli_runs_through_a_chat_template(chat_pair):
         [*common, "--chat-template", "on", "--offload", "ram"],
         [*common, "--chat-template", "off"],
     ]
-    results = cli_run_all([(argv, None) for argv in runs])
+    results = cli_run_all([(argv, {}) for argv in runs])
     for argv, result in zip(runs, results):
         assert result.returncode == 0, (argv, result.stderr[-2000:])
         prompt = result.stdout.split("--- continuation ---")[0]
@@ -412,16 +677,10 @@ def test_self_draft_and_resident_layers_decode_as_the_target():
 
 def test_installed_without_the_clone_says_where_the_default_pair_is(tmp_path):
     """`pip install .` puts the modules in site-packages; models/ stays in the clone."""
-    for module in ("specexec.py", "cli.py", "offload.py", "offload_files.py", "quantize.py"):
-        shutil.copy(HERE / module, tmp_path / module)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    run = lambda *argv: subprocess.run(  # noqa: E731
-        [sys.executable, str(tmp_path / "specexec.py"), *argv],
-        capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
+    script = copy_modules(tmp_path)
     no_pair, no_prompt = (
-        run(),
-        run("--target", str(PAIR / "target"), "--draft", str(PAIR / "draft")),
+        cli_run(script=script),
+        cli_run("--target", str(PAIR / "target"), "--draft", str(PAIR / "draft"), script=script),
     )
     assert no_pair.returncode == 2 and no_pair.stderr.count("\n") == 1
     assert "the default pair lives in a clone's models/" in no_pair.stderr

@@ -387,20 +387,79 @@ def test_dtype_conversion_writes_and_reuses_offload_folder(tmp_path, capsys, mon
     assert "offload: writing" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("damage", ["manifest is not JSON", "a layer file is lost"])
-def test_damaged_offload_folder_is_rebuilt(tmp_path, damage):
+def zero_the_tensors(path):
+    """Overwrite a safetensors file's tensor bytes with zeros; its header stays as it was."""
+    data = bytearray(path.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    path.write_bytes(bytes(data[:start]) + bytes(len(data) - start))
+
+
+@pytest.mark.parametrize(
+    "damage, said",
+    [
+        ("manifest is not JSON", "its manifest.json is not one this version wrote"),
+        ("a layer file is lost", "layer_001.safetensors is missing or not"),
+        ("bytes zeroed, header intact", "layer_001.safetensors is not the file that was written"),
+        ("two layer files swapped", "layer_001.safetensors is not the file that was written"),
+    ],
+)
+def test_damaged_offload_folder_is_rebuilt(tmp_path, capsys, damage, said):
+    """Sizes, then a SHA-256 per file: a copy that was changed is written again, saying so."""
     oracle = save_model(tmp_path / "bf16", CONFIGS["llama"](), dtype=torch.bfloat16)
     options = {"mode": "ssd", "device": "cpu", "dtype": torch.float32, "offload_dir": tmp_path}
     offload.from_pretrained(tmp_path / "bf16", **options).close()
     (converted,) = tmp_path.glob("bf16-*-float32")
+    layer = converted / "layer_001.safetensors"
     if damage == "manifest is not JSON":
         (converted / "manifest.json").write_text("{half a manif")
+    elif damage == "a layer file is lost":
+        layer.unlink()
+    elif damage == "bytes zeroed, header intact":
+        zero_the_tensors(layer)
     else:
-        (converted / "layer_001.safetensors").unlink()
+        other, moved = converted / "layer_002.safetensors", converted / "moved"
+        layer.rename(moved)
+        other.rename(layer)
+        moved.rename(other)
+    capsys.readouterr()
     ids = torch.randint(97, (1, 5))
     with offload.from_pretrained(tmp_path / "bf16", **options) as model:
         torch.testing.assert_close(model(ids).logits, oracle(ids).logits, rtol=1e-5, atol=1e-5)
-    assert (converted / "layer_001.safetensors").is_file()
+    assert f"copy in {converted} is damaged ({said}" in capsys.readouterr().err
+    with offload.from_pretrained(tmp_path / "bf16", **options) as model:  # whole again: reused
+        torch.testing.assert_close(model(ids).logits, oracle(ids).logits, rtol=1e-5, atol=1e-5)
+    assert "offload:" not in capsys.readouterr().err
+
+
+def test_two_runs_converting_into_one_folder_both_succeed(tmp_path, capsys, monkeypatch):
+    """The second run waits for the first (a lock on the offload folder), then reuses its copy:
+    one conversion, no clash over the files being written."""
+    oracle = save_model(tmp_path / "bf16", CONFIGS["llama"](), dtype=torch.bfloat16)
+    options = {"mode": "ssd", "device": "cpu", "dtype": torch.float32, "offload_dir": tmp_path}
+    writing, go_on, write_copy = threading.Event(), threading.Event(), offload_files.write_copy
+
+    def held_write_copy(*args):  # the first run stays in the middle of writing until told
+        writing.set()
+        assert go_on.wait(timeout=300)
+        write_copy(*args)
+
+    monkeypatch.setattr(offload_files, "write_copy", held_write_copy)
+    said = ""
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(offload.from_pretrained, tmp_path / "bf16", **options)
+        assert writing.wait(timeout=300)
+        second = pool.submit(offload.from_pretrained, tmp_path / "bf16", **options)
+        while "waiting for another run" not in said and not second.done():
+            time.sleep(0.01)
+            said += capsys.readouterr().err
+        go_on.set()
+        models = [first.result(timeout=300), second.result(timeout=300)]
+    said += capsys.readouterr().err
+    assert said.count("offload: writing a") == 1 and "waiting for another run" in said
+    ids = torch.randint(97, (1, 5))
+    for model in models:
+        with model:
+            torch.testing.assert_close(model(ids).logits, oracle(ids).logits, rtol=1e-5, atol=1e-5)
 
 
 def test_in_place_and_ram_have_no_converted_folder(checkpoints):
@@ -952,13 +1011,22 @@ def test_disk_full_during_conversion_leaves_nothing_reusable(tmp_path, monkeypat
     monkeypatch.setattr(os, "fsync", fsync_fills_disk)
     with pytest.raises(offload.OffloadError, match="No space left on device"):
         offload.from_pretrained(tmp_path / "bf16", **options)
-    (converted,) = tmp_path.glob("bf16-*-float32")
-    # the finished layer stays, the broken one left no .tmp behind, and there is no manifest
-    assert sorted(f.name for f in converted.iterdir()) == ["layer_000.safetensors"]
+    # nothing of the unfinished copy stays: no partial file, nor finished ones taking the space
+    assert not list(tmp_path.glob("bf16-*-float32"))
     monkeypatch.setattr(os, "fsync", real_fsync)
     ids = torch.randint(97, (1, 5))
     with offload.from_pretrained(tmp_path / "bf16", **options) as model:  # converted again
         torch.testing.assert_close(model(ids).logits, oracle(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_a_closed_model_says_so(checkpoints):
+    folder, _ = checkpoints["llama"]
+    for mode in ("ram", "ssd"):
+        model = offload.from_pretrained(folder, mode=mode, device="cpu")
+        model.close()
+        model.close()  # a second close is no error
+        with pytest.raises(offload.OffloadError, match="this offloaded model was closed"):
+            model(torch.tensor([[1, 2, 3]]))
 
 
 @pytest.mark.parametrize(
@@ -997,6 +1065,8 @@ def test_dtype_as_a_string(checkpoints, dtype):
         ("config", "cannot load its config"),
         ("no folder", "is no folder and no reachable hub id"),
         ("device", "offload runs on cpu or an available cuda device, not meta"),
+        ("device name", "device 'foo': "),
+        ("buffers", "buffers must be an integer of at least 1, not 1.5"),
         ("generation config", "cannot load its config"),
         ("index", "corrupt checkpoint index"),
     ],
@@ -1008,6 +1078,10 @@ def test_loading_errors_are_one_line(checkpoints, tmp_path, case, message):
         options["dtype"] = "float33"
     if case == "device":
         options["device"] = "meta"
+    if case == "device name":
+        options["device"] = "foo"
+    if case == "buffers":
+        options["buffers"] = 1.5
     if case == "config":
         (tmp_path / "config.json").write_text("{not json")
         folder = tmp_path
@@ -1040,7 +1114,7 @@ def test_cli_runs_the_default_pair_offloaded(mode, tmp_path, capsys):
     argv = ["--max-new-tokens", "12", "--offload", mode, "--offload-dir", str(tmp_path)]
     specexec.main(argv + ["--compare"])
     out = capsys.readouterr().out
-    assert f"offload ({mode}): last target pass moved" in out
+    assert f"offload ({mode}): 0 of 6 layers resident; the last target pass moved" in out
     assert "identical output" in out
 
 

@@ -614,6 +614,63 @@ def test_eos_defaults_to_the_targets_generation_config():
         assert decode(max_new_tokens=30, eos_token_id=[])[0] == full
 
 
+def test_eos_token_id_takes_integer_likes_and_refuses_the_rest():
+    """numpy integers and integer tensors are token ids; a string is no list of them (it was
+    split into characters), nor is True the id 1."""
+    import numpy as np
+
+    target = tiny_model("llama", 0, init=0.5)
+    prompt = [3, 1, 4]
+    full, _ = specexec.autoregressive(target, prompt, max_new_tokens=30, eos_token_id=[])
+    eos = full[6]
+    stopped = full[: full.index(eos) + 1]
+    for eos_given in (
+        eos,
+        np.int64(eos),
+        torch.tensor(eos),
+        torch.tensor([eos, 63]),
+        [np.int32(eos)],
+    ):
+        for decode in (
+            lambda: specexec.generate(
+                target, target, prompt, budget=8, max_new_tokens=30, eos_token_id=eos_given
+            ),
+            lambda: specexec.autoregressive(
+                target, prompt, max_new_tokens=30, eos_token_id=eos_given
+            ),
+        ):
+            assert decode()[0] == stopped, eos_given
+    for bad in ("x", True, float(eos), [eos, "x"], [[eos]], torch.tensor(2.0), np.array([[eos]])):
+        with pytest.raises(SpecExecError, match="eos_token_id must be token ids"):
+            specexec.generate(target, target, prompt, eos_token_id=bad)
+
+
+@pytest.mark.parametrize("broken", ["a NaN weight", "an infinite norm", "rms_norm_eps -1.0"])
+def test_non_finite_logits_stop_the_run_naming_the_model(broken):
+    """NaN logits would pick id 0 at temperature 0 (and an id past the vocabulary when
+    sampling) and run on as if nothing were wrong."""
+    good = tiny_model("llama", 0, init=0.5)
+    bad = copy.deepcopy(good)
+    with torch.no_grad():
+        if broken == "a NaN weight":
+            bad.model.layers[1].mlp.down_proj.weight[0, 0] = math.nan
+        elif broken == "an infinite norm":
+            bad.model.norm.weight[3] = math.inf
+        else:  # as config.json would give it: every RMSNorm's epsilon
+            for norm in bad.modules():
+                if hasattr(norm, "variance_epsilon"):
+                    norm.variance_epsilon = -1.0
+    for target, draft, role, temperature in [
+        (bad, good, "target", 0.0),
+        (bad, good, "target", 0.9),
+        (good, bad, "draft", 0.0),
+    ]:
+        with pytest.raises(SpecExecError, match=f"the {role} model computes logits that are not"):
+            specexec.generate(target, draft, [1, 2, 3], max_new_tokens=4, temperature=temperature)
+    with pytest.raises(SpecExecError, match="the target model computes logits that are not"):
+        specexec.autoregressive(bad, [1, 2, 3], max_new_tokens=4)
+
+
 # ---- the project's own trained pair ----
 
 PAIR = HERE / "models"
