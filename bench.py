@@ -3,6 +3,8 @@
     python bench.py                                  # the project's pair: table, plot, projection
     python bench.py --prompts 2 --tokens 32 --budgets 16,256 --projection-layers 0  # quick look
     python bench.py --offload ssd                    # the target streamed from disk
+    python bench.py --drafts --prompts 4 --tokens 64 --budgets 16,64,256,1024
+                                                     # distilled draft vs the target's int8/int4
 
 Rows, all measured in this process on the same prompts, greedy and then sampled:
 plain autoregressive decoding of the target; Hugging Face assisted generation with the same
@@ -16,6 +18,10 @@ The projection: one offloaded pass (ssd tier) of a random float16 model shaped l
 but with only a few layers is timed at the token counts each row feeds; its I/O and compute per
 layer are scaled to 32 layers and combined with each row's measured tokens per pass and draft
 time. The temporary model is deleted afterwards.
+
+--drafts replaces the table: SpecExec at each budget with three drafts of the same target, the
+distilled default draft and the target's own int8 and int4 copies (quantize.self_draft, every
+layer resident), greedy and sampled, each row checked against the target's own decoding.
 """
 
 import argparse
@@ -56,6 +62,7 @@ class BenchConfig:
     projection_layers: int = 2  # layers of the random 7B-shaped model; 0 skips the projection
     projection_dir: str | None = None  # where its temporary files go (default: the temp dir)
     gpu_tflops: float = 100.0  # ASSUMED GPU compute rate for the projection's second variant
+    drafts: bool = False  # instead: the distilled draft against the target's int8 / int4 copy
 
 
 # ---- the machine ----
@@ -122,6 +129,7 @@ class Row:
     outputs: list = field(default_factory=list)  # new tokens per prompt
     tokens: int = 0
     target_passes: int = 0
+    draft_passes: int = 0
     seconds: float = 0.0
     draft_s: float = 0.0  # inside the draft's forward
     target_s: float = 0.0  # inside the target's forward
@@ -155,6 +163,7 @@ def measure(row, decode, prompt_ids, meters, progress):
         row.tokens += len(tokens)
         row.verified += verified
         row.target_passes += target_meter.passes
+        row.draft_passes += draft_meter.passes
         row.target_s += target_meter.seconds
         row.draft_s += draft_meter.seconds
     print(f"bench [{progress}]: {row.setting}, {row.label()}: {row.seconds:.1f} s",
@@ -415,6 +424,8 @@ def main(argv=None):
     p.add_argument("--projection-dir", default=d.projection_dir, help="its temporary files")
     p.add_argument("--gpu-tflops", type=float, default=d.gpu_tflops,
                    help="ASSUMED GPU compute for the projection's second variant")  # fmt: skip
+    p.add_argument("--drafts", action="store_true",
+                   help="instead: the distilled draft vs the target's int8/int4 copy")  # fmt: skip
     cfg = BenchConfig(**vars(p.parse_args(argv)))
     run(cfg)
 
@@ -459,6 +470,8 @@ def run(cfg):
         specexec.generate(target, draft, prompt_ids[0], **warm_up)
         hf_target.generate(torch.tensor([prompt_ids[0]], device=device), assistant_model=draft,
                            pad_token_id=eos, do_sample=False, **warm_up)  # fmt: skip
+        if cfg.drafts:
+            return compare_drafts(cfg, target, draft, prompt_ids, eos, meters, device, dtype)
         rows = []
         for sampled in (False, True):
             rows += table_rows(cfg, target, hf_target, draft, prompt_ids, eos, meters, sampled)
@@ -487,6 +500,62 @@ def run(cfg):
 
     if cfg.projection_layers:
         print_projection(cfg, greedy)
+
+
+# ---- drafts: the distilled one against the target's own quantized copies ----
+
+
+def compare_drafts(cfg, target, distilled, prompt_ids, eos, meters, device, dtype):
+    """SpecExec at each budget with each draft, greedy then sampled; a table and the goal."""
+    import quantize
+
+    drafts = {"distilled": (distilled, meters[1])}
+    for kind in quantize.KINDS:
+        copy = quantize.self_draft(cfg.target, kind, device=device, dtype=dtype)
+        drafts[f"target's {kind} copy"] = copy, Meter(copy, device)
+    rows = []
+    for sampled in (False, True):
+        setting = "sampled" if sampled else "greedy"
+        ours = dict(max_new_tokens=cfg.tokens, eos_token_id=eos)
+        ours |= dict(temperature=cfg.temperature, top_p=cfg.top_p) if sampled else {}
+
+        def plain(i, ids):
+            return specexec.autoregressive(target, ids, seed=cfg.seed + i, **ours)[0], 0
+
+        reference = measure(Row(setting, "autoregressive"), plain, prompt_ids, meters)
+        for name, (draft, meter) in drafts.items():
+            for budget in [int(b) for b in cfg.budgets.split(",")]:
+
+                def speculative(i, ids):
+                    options = dict(budget=budget, max_depth=cfg.max_depth, seed=cfg.seed + i)
+                    return specexec.generate(target, draft, ids, **ours, **options)[0], 0
+
+                row = measure(
+                    Row(setting, name, budget), speculative, prompt_ids, (meters[0], meter)
+                )
+                row.exact = "yes" if row.outputs == reference.outputs else "NO"
+                rows.append(row)
+    for name, (draft, _) in drafts.items():
+        if name != "distilled":
+            draft.close()
+
+    print("| setting | draft | budget | tokens/target pass | draft passes/target pass "
+          "| draft ms/pass | target ms/pass | tokens/s | exact |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        print(
+            f"| {r.setting} | {r.method} | {r.budget} | {r.tokens_per_pass:.2f} "
+            f"| {r.draft_passes / r.target_passes:.1f} | {1e3 * r.draft_s / r.draft_passes:.1f} "
+            f"| {1e3 * r.target_s / r.target_passes:.1f} | {r.rate:.1f} | {r.exact} |"
+        )
+    by_row = {(r.setting, r.method, r.budget): r for r in rows}
+    if ("greedy", "distilled", 256) in by_row:
+        ratio = (
+            by_row["greedy", "target's int4 copy", 256].tokens_per_pass
+            / by_row["greedy", "distilled", 256].tokens_per_pass
+        )
+        print(f"\ngoal (printed, not asserted): int4 copy vs distilled draft, tokens per target "
+              f"pass at budget 256, greedy: {ratio:.2f}x (goal >= 1.5)")  # fmt: skip
 
 
 def print_projection(cfg, greedy):

@@ -5,13 +5,16 @@ memory. Their weights live in RAM or on an SSD and every target pass streams all
 the device, so a pass costs about the same for one token or a thousand: a large draft tree rides
 on bandwidth that is spent anyway. This module is that target. Embeddings, final norm, LM head,
 rotary embedding and KV cache stay on the device; each decoder layer is copied into one of
-`buffers` device slots just before it runs, while the next layer is already on its way.
+`buffers` device slots just before it runs, while the next layer is already on its way. Given
+`device_memory`, as many layers as fit beside those stay on the device for good, and a pass moves
+only the others' bytes (UMbreLLa's resident layers).
 
 | paper / idea                 | code                                                          |
 | ---------------------------- | ------------------------------------------------------------- |
 | offloaded target model       | `OffloadedCausalLM`, built by `from_pretrained`               |
 | where the weights live       | storage: `RamStorage` (mode="ram"), `DiskStorage` (mode="ssd") |
 | what is on the device now    | `LayerRing`: `buffers` slots, filled in order by one reader   |
+| layers kept on the device    | `device_memory=`: `LayerRing.kept`, loaded once, never moved  |
 | layer i+1 loads while i runs | `StreamedLayers.__iter__`: prefetch, wait, compute, release   |
 | the device's few operations  | `Cuda` (streams, events) and `Cpu`; tests add a fake one      |
 | cost of one target pass      | `PassStats`: bytes moved, waiting vs computing, GB/s          |

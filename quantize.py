@@ -19,6 +19,10 @@ going unused. Groups of 64 rather than 128: a group's scale follows its own larg
 smaller groups lose less to one outlier, and the rows here are short (256 inputs in the default
 target); a float16 scale per 64 weights costs 0.25 bit each, 4.25 bits a weight in all.
 Scales are stored in the compute dtype, so the dequantized weight is q * scale rounded once.
+
+`self_draft` turns the same machinery into a draft for SpecExec: the target's own int8 / int4
+copy with every layer resident, which agrees with the target far more often than a small
+distilled draft does (README, "What makes a good draft").
 """
 
 import math
