@@ -701,9 +701,12 @@ def test_trained_pair_is_exact_and_speculates():
 
 @needs_pair
 def test_notebook_runs_top_to_bottom():
-    """notebook.ipynb runs on the project's pair from the repo root; its own asserts check it."""
+    """notebook.ipynb runs on the project's pair from the repo root; its own asserts check it.
+    Every cell that says it draws a picture shows one, and the HTML page that `jupyter nbconvert
+    --to html --execute notebook.ipynb` writes carries them all."""
     import nbformat
     from nbclient import NotebookClient
+    from nbconvert import HTMLExporter
 
     notebook = nbformat.read(HERE / "notebook.ipynb", as_version=4)  # executed here, not saved
     client = NotebookClient(
@@ -714,6 +717,13 @@ def test_notebook_runs_top_to_bottom():
     assert code and all(cell.execution_count for cell in code), "a code cell did not run"
     errors = [out for cell in code for out in cell.outputs if out.output_type == "error"]
     assert not errors, errors
+    drawing = [cell for cell in code if cell.source.startswith("# Picture")]
+    for cell in drawing:
+        images = [out for out in cell.outputs if "image/png" in out.get("data", {})]
+        assert len(images) == 1, cell.source.splitlines()[0]
+    html, _ = HTMLExporter().from_notebook_node(notebook)
+    images = re.findall(r'<img [^>]*src="data:image/png;base64,', html)  # embedded, not linked
+    assert len(images) == len(drawing) >= 5
 
 
 # ---- configs shaped like real checkpoints ----
