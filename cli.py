@@ -512,8 +512,8 @@ def generate_and_report(target, draft, tokenizer, input_ids, args, opts, device)
             print(
                 f"{dim}(not SpecExec's regime: with the target {where}, a pass over a tree costs "
                 f"more than a one-token pass. It pays where the weights stream over a slow link: "
-                f"`python bench_disk.py --grow-to big-target`, then `python specexec.py --target "
-                f"big-target --offload ssd --compare`){reset}"
+                f"`python -m scripts.bench_disk --grow-to big-target`, then `python specexec.py "
+                f"--target big-target --offload ssd --compare`){reset}"
             )
     sys.stdout.flush()  # a closed pipe fails here, inside main's handlers, not at exit
 

@@ -317,8 +317,8 @@ def test_grown_target_decodes_as_the_target_it_grew_from(checkpoints, tmp_path):
     are zero, then new layers whose attention and MLP outputs are zero. Both models are read in
     float64 from the same float32 values, so no near-tie can flip an argmax: logits equal to
     rounding, and the same greedy text, in memory and streamed from disk."""
-    import bench_disk
     import specexec
+    from scripts import bench_disk
 
     folder, _ = checkpoints["llama"]
     grown = bench_disk.grow_target(folder, tmp_path / "grown", n_layers=5, intermediate=160)
@@ -947,7 +947,7 @@ def test_cuda_logits_match_resident_model(tmp_path, dtype, mode, buffers):
 def test_cuda_copies_are_pinned_and_overlap_compute(tmp_path, monkeypatch, mode):
     """From the device timeline: host-to-device copies come from pinned memory and run beside
     kernels; and a ram pass blocks the host once (its end), not once per layer."""
-    import bench_offload
+    from scripts import bench_offload
 
     config = LlamaConfig(**{**SIZES, "hidden_size": 512, "intermediate_size": 2048})
     save_model(tmp_path, config, dtype=torch.float16, shard="2GB")

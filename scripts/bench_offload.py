@@ -1,8 +1,8 @@
 """Benchmark offload.py: one pass of a random Llama bigger than the RAM it may use, per tier.
 
-    python bench_offload.py                 # cpu: 1, 16, 128 and 1024 tokens; a few minutes
-    python bench_offload.py --device cuda   # gpu: CUDA-event timers and the copy timeline
-    python bench_offload.py --quality models/target   # held-out loss: float vs int8 vs int4
+    python -m scripts.bench_offload                 # cpu: 1, 16, 128 and 1024 tokens; a few minutes
+    python -m scripts.bench_offload --device cuda   # gpu: CUDA-event timers and the copy timeline
+    python -m scripts.bench_offload --quality models/target   # held-out loss: float vs int8 vs int4
 
 A random Llama of several GB is written to a temp folder and deleted afterwards (Linux only).
 On cpu, for each token count it times one pass of each tier (ssd, ram, and the plain in-memory
@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 import offload
 import offload_files
-from bench import cpu_name
+from scripts.bench import cpu_name
 
 
 @dataclass
@@ -257,7 +257,7 @@ def quality(target: str, windows: int, seq_len: int = 512, batch: int = 8) -> st
     import torch.nn.functional as F
     from transformers import AutoTokenizer
 
-    import train_pair
+    from scripts import train_pair
 
     root, _, held_out = train_pair.stdlib_files()
     tokenizer = AutoTokenizer.from_pretrained(target)

@@ -14,8 +14,8 @@ training data: nothing is downloaded. The script
 5. reports held-out loss of both and the draft's top-1 / top-8 agreement with the target,
    and writes both models (Hugging Face format, float16) and a held-out prompt set.
 
-    python train_pair.py --draft-baseline   # writes models/{target,draft,prompts.json}
-    python train_pair.py --target-from models/target --target-steps 0   # only a new draft
+    python -m scripts.train_pair --draft-baseline   # writes models/{target,draft,prompts.json}
+    python -m scripts.train_pair --target-from models/target --target-steps 0   # only a new draft
 
 Seeds are fixed; the result depends on the Python version (its standard library is the data)
 and, in the last bits, on the machine.

@@ -1,6 +1,6 @@
 """A mixture of experts offloaded: the bytes a pass moves, and how many experts a tree touches.
 
-    python bench_experts.py            # about a minute on a CPU; no weights are downloaded
+    python -m scripts.bench_experts            # about a minute on a CPU; no weights are downloaded
 
 offload.py streams each decoder layer whole, every expert with it. Whether streaming only the
 experts a pass routes to would pay depends on how many a tree pass touches:

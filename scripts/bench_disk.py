@@ -1,7 +1,7 @@
 """SpecExec where it pays: a big target streamed from disk, against plain decoding of the same.
 
-    python bench_disk.py                         # grow, measure, plot (about 15 min on 2 cores)
-    python bench_disk.py --grow-to big-target    # only write the grown target (about a minute)
+    python -m scripts.bench_disk                       # grow, measure, plot (~15 min on 2 cores)
+    python -m scripts.bench_disk --grow-to big-target  # only write the grown target (a minute)
     python specexec.py --target big-target --offload ssd --compare   # then the CLI shows it too
 
 The default target is 12 MB: streaming it costs nothing, so no run of it is in SpecExec's
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # the repository root
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """Benchmark SpecExec against its peers in one run, on held-out prompts, and project it to a 7B.
 
-    python bench.py                                  # the project's pair: table, plot, projection
-    python bench.py --prompts 2 --tokens 32 --budgets 16,256 --projection-layers 0  # quick look
-    python bench.py --offload ssd                    # the target streamed from disk
-    python bench.py --drafts --prompts 4 --tokens 64 --budgets 16,64,256,1024
+    python -m scripts.bench                      # the project's pair: table, plot, projection
+    python -m scripts.bench --prompts 2 --tokens 32 --budgets 16,auto --projection-layers 0
+    python -m scripts.bench --offload ssd        # the target streamed from disk
+    python -m scripts.bench --drafts --prompts 4 --tokens 64 --budgets 16,64,256,1024
                                                      # distilled draft vs the target's int8/int4
 
 Rows, all measured in this process on the same prompts, greedy and then sampled:
@@ -58,7 +58,7 @@ class BenchConfig:
     device: str | None = None  # default: cuda if available, else cpu
     dtype: str = "float32"
     offload: str | None = None  # stream the target's layers from "ram" or "ssd"
-    plot: str = "bench.png"
+    plot: str = str(cli.HERE / "figures" / "bench.png")
     projection_layers: int = 2  # layers of the random 7B-shaped model; 0 skips the projection
     projection_dir: str | None = None  # where its temporary files go (default: the temp dir)
     gpu_tflops: float = 100.0  # ASSUMED GPU compute rate for the projection's second variant

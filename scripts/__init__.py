@@ -1,0 +1,10 @@
+"""The scripts that train the default pair and measure SpecExec, run from the repository root:
+
+    python -m scripts.bench_disk     # SpecExec where it pays: a big target streamed from disk
+    python -m scripts.bench          # in memory, against its peers, greedy and sampled
+    python -m scripts.bench_offload  # one offloaded pass per tier and token count
+    python -m scripts.bench_experts  # what a mixture of experts moves, and what a tree routes
+    python -m scripts.train_pair     # train models/ again
+
+They import the library modules (specexec, offload, cli) from the root, which `-m` puts first.
+"""
