@@ -699,33 +699,6 @@ def test_trained_pair_is_exact_and_speculates():
 # ---- the notebook ----
 
 
-@needs_pair
-def test_notebook_runs_top_to_bottom():
-    """notebook.ipynb runs on the project's pair from the repo root; its own asserts check it.
-    Every cell that says it draws a picture shows one, and the HTML page that `jupyter nbconvert
-    --to html --execute notebook.ipynb` writes carries them all."""
-    import nbformat
-    from nbclient import NotebookClient
-    from nbconvert import HTMLExporter
-
-    notebook = nbformat.read(HERE / "notebook.ipynb", as_version=4)  # executed here, not saved
-    client = NotebookClient(
-        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(HERE)}}
-    )
-    client.execute()  # raises CellExecutionError at the first cell that fails
-    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
-    assert code and all(cell.execution_count for cell in code), "a code cell did not run"
-    errors = [out for cell in code for out in cell.outputs if out.output_type == "error"]
-    assert not errors, errors
-    drawing = [cell for cell in code if cell.source.startswith("# Picture")]
-    for cell in drawing:
-        images = [out for out in cell.outputs if "image/png" in out.get("data", {})]
-        assert len(images) == 1, cell.source.splitlines()[0]
-    html, _ = HTMLExporter().from_notebook_node(notebook)
-    images = re.findall(r'<img [^>]*src="data:image/png;base64,', html)  # embedded, not linked
-    assert len(images) == len(drawing) >= 5
-
-
 # ---- configs shaped like real checkpoints ----
 
 # Each entry is a real checkpoint's config.json: its family and every option that changes the
@@ -1118,29 +1091,3 @@ def tolerance(model):
     length of the row (a tree pass's row is longer), ~1e-7 of the logits."""
     eager = model.config._attn_implementation == "eager"
     return dict(rtol=1e-5, atol=1e-5) if eager else dict(rtol=1e-9, atol=1e-9)
-
-
-# ---- README's Python API snippet ----
-
-
-@pytest.mark.skipif(not (HERE / "models" / "target").exists(), reason="models/ not trained yet")
-def test_readme_api_snippet_runs_from_outside_the_repo(tmp_path):
-    """README's API code block runs as written in a folder outside the clone, the clone on
-    PYTHONPATH (as a user's script would, or after `pip install -e .`), and prints text."""
-    import os
-    import re
-    import subprocess
-    import sys
-
-    readme = (HERE / "README.md").read_text()
-    api = readme[readme.index("## Python API") :]
-    code = re.search(r"```python\n(.*?)```", api, re.S).group(1)
-    env = {**os.environ, "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(
-        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
-    )
-    assert run.returncode == 0, run.stderr
-    prompt = re.search(r'^prompt = "(.*)"$', code, re.M).group(1).encode().decode("unicode_escape")
-    text, summary = run.stdout.rstrip("\n").rsplit("\n", 1)
-    assert text.startswith(prompt) and text[len(prompt) :].strip(), run.stdout  # a continuation
-    assert re.match(r"\d+ tokens in \d+ target pass(es)? \(.* per pass\)", summary), summary

@@ -1,0 +1,108 @@
+"""Tests of what a newcomer reads first: README.md's first screen, its pictures and its API
+script, and the notebook. Each runs what the text says, as a user would."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+README = (HERE / "README.md").read_text()
+needs_pair = pytest.mark.skipif(
+    not (HERE / "models" / "target" / "config.json").exists(), reason="models/ not trained yet"
+)
+
+
+def first_screen():
+    """The commands of the README's first code block, without their comments."""
+    block = re.search(r"```bash\n(.*?)```", README, re.S).group(1)
+    return [line.split("  #")[0].strip() for line in block.splitlines() if line.strip()]
+
+
+def test_the_readme_is_short():
+    assert len(README.splitlines()) <= 250
+
+
+def test_every_picture_the_readme_shows_exists():
+    pictures = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", README)
+    assert len(pictures) >= 3
+    for picture in pictures:
+        assert (HERE / picture).is_file(), picture
+
+
+def test_every_first_screen_command_is_run_by_ci_or_by_these_tests():
+    """CI (.ci/run) installs and runs the tests as the README says; the CPU line's torch comes
+    from CI's local disk instead of torch's index (the same CPU build, within the same range);
+    `python specexec.py` runs below."""
+    ci = (HERE / ".ci" / "run").read_text()
+    commands = first_screen()
+    assert "python specexec.py" in commands and "python -m pytest -q" in commands
+    for command in commands:
+        if command.startswith("pip install") and "--index-url" in command:
+            assert "download.pytorch.org/whl/cpu" in command and "<2.15" in command
+            assert re.search(r"^pip install -q torch==2\.13\.0$", ci, re.M)
+        elif command != "python specexec.py":
+            assert command.replace("pip install ", "pip install -q ") in ci or command in ci, (
+                command
+            )
+
+
+@needs_pair
+def test_the_run_command_runs_as_written(tmp_path):
+    """`python specexec.py` from the README: the default pair, a prompt, its continuation and the
+    summary line, exit status 0."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    run = subprocess.run(
+        [sys.executable, "specexec.py"], cwd=HERE, env=env, capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "--- continuation ---" in run.stdout and "specexec: " in run.stdout
+    assert re.search(r"\d+ tokens in \d+ target pass", run.stdout)
+
+
+@needs_pair
+def test_notebook_runs_top_to_bottom():
+    """notebook.ipynb runs on the project's pair from the repo root; its own asserts check it.
+    Every cell that says it draws a picture shows one, and the HTML page that `jupyter nbconvert
+    --to html --execute notebook.ipynb` writes carries them all."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbconvert import HTMLExporter
+
+    notebook = nbformat.read(HERE / "notebook.ipynb", as_version=4)  # executed here, not saved
+    client = NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(HERE)}}
+    )
+    client.execute()  # raises CellExecutionError at the first cell that fails
+    code = [cell for cell in notebook.cells if cell.cell_type == "code"]
+    assert code and all(cell.execution_count for cell in code), "a code cell did not run"
+    errors = [out for cell in code for out in cell.outputs if out.output_type == "error"]
+    assert not errors, errors
+    drawing = [cell for cell in code if cell.source.startswith("# Picture")]
+    for cell in drawing:
+        images = [out for out in cell.outputs if "image/png" in out.get("data", {})]
+        assert len(images) == 1, cell.source.splitlines()[0]
+    html, _ = HTMLExporter().from_notebook_node(notebook)
+    images = re.findall(r'<img [^>]*src="data:image/png;base64,', html)  # embedded, not linked
+    assert len(images) == len(drawing) >= 5
+
+
+@needs_pair
+def test_readme_api_snippet_runs_from_outside_the_repo(tmp_path):
+    """README's API code block runs as written in a folder outside the clone, the clone on
+    PYTHONPATH (as a user's script would, or after `pip install -e .`), and prints text."""
+    api = README[README.index("## Python API") :]
+    code = re.search(r"```python\n(.*?)```", api, re.S).group(1)
+    env = {**os.environ, "PYTHONPATH": str(HERE), "OMP_NUM_THREADS": "1"}
+    run = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 0, run.stderr
+    prompt = re.search(r'^prompt = "(.*)"$', code, re.M).group(1).encode().decode("unicode_escape")
+    text, summary = run.stdout.rstrip("\n").rsplit("\n", 1)
+    assert text.startswith(prompt) and text[len(prompt) :].strip(), run.stdout  # a continuation
+    assert re.match(r"\d+ tokens in \d+ target pass(es)? \(.* per pass\)", summary), summary
