@@ -502,11 +502,12 @@ def generate_and_report(target, draft, tokenizer, input_ids, args, opts, device)
         base_tokens, base = autoregressive(target, input_ids, eos_token_id=eos, **options)
         same = "identical output" if base_tokens == tokens else "outputs differ"
         print(f"{dim}plain decoding: {base.summary()}{reset}")
+        speedup = None
         if base.new_tokens and stats.new_tokens:
             speedup = stats.tokens_per_second / base.tokens_per_second
             print(f"speedup {speedup:.2f}x ({stats.tokens_per_step:.2f} tokens per target pass)")
         print(same)
-        if device.type == "cpu" and args.offload != "ssd":
+        if speedup is not None and speedup < 1 and device.type == "cpu" and args.offload != "ssd":
             where = "in memory" if not args.offload else "in RAM (--offload ram on a CPU is a "
             where += "" if not args.offload else "memory copy, not a link to another device)"
             print(
