@@ -1,6 +1,7 @@
 """Tests of what a newcomer reads first: README.md's first screen, its pictures and its API
 script, and the notebook. Each runs what the text says, as a user would."""
 
+import ast
 import os
 import re
 import subprocess
@@ -102,7 +103,7 @@ def test_readme_api_snippet_runs_from_outside_the_repo(tmp_path):
         [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
     )
     assert run.returncode == 0, run.stderr
-    prompt = re.search(r'^prompt = "(.*)"$', code, re.M).group(1).encode().decode("unicode_escape")
+    prompt = ast.literal_eval(re.search(r"^prompt = (.*)$", code, re.M).group(1))
     text, summary = run.stdout.rstrip("\n").rsplit("\n", 1)
     assert text.startswith(prompt) and text[len(prompt) :].strip(), run.stdout  # a continuation
     assert re.match(r"\d+ tokens in \d+ target pass(es)? \(.* per pass\)", summary), summary
