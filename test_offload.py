@@ -37,6 +37,7 @@ from transformers import (
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
     SmolLM3Config,
 )
 
@@ -68,6 +69,9 @@ CONFIGS = {
     "granite": lambda: GraniteConfig(**SIZES, embedding_multiplier=12.0, logits_scaling=16.0),
     "smollm3": lambda: SmolLM3Config(**SIZES, pad_token_id=0, no_rope_layer_interval=2),
     "mixtral": lambda: MixtralConfig(**SIZES, num_local_experts=4),  # experts stored apart
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **SIZES, head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64
+    ),
 }
 EAGER_ONLY = {"gemma2"}  # soft-capped attention logits, which sdpa cannot do
 
