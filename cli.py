@@ -300,6 +300,8 @@ def load_model(folder, device, dtype):
         if keys:
             first = sorted(keys)[0] + (", ..." if len(keys) > 1 else "")
             raise SpecExecError(f"{folder}: the checkpoint {what.format(n=len(keys))} ({first})")
+    if model.dtype == torch.float64 and "grouped_mm" in model.get_experts_implementation().values():
+        model.set_experts_implementation("eager")  # a mixture's default kernel lacks float64
     return model.to(device).eval()
 
 

@@ -533,6 +533,8 @@ def from_pretrained(
     # the skeleton on meta costs nothing; only the parts that stay on the device get real tensors
     with torch.device("meta"):
         hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if dtype == torch.float64 and "grouped_mm" in hf.get_experts_implementation().values():
+        hf.set_experts_implementation("eager")  # a mixture's default kernel lacks float64
     shapes = ckpt.check_layers(hf)  # every layer's tensors there, right shapes, before big reads
     # buffers (rotary frequencies, Gemma's embedding scale) are computed, not stored: give them
     # memory on the device and let the model's own initializer compute them, while the
