@@ -137,9 +137,12 @@ def skeleton(config, folder: Path, dtype=None) -> torch.nn.Module:
 
     try:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     except Exception as err:
         raise OffloadError(f"{folder}: cannot build its model ({one_line(err)})") from None
+    if dtype == torch.float64 and "grouped_mm" in model.get_experts_implementation().values():
+        model.set_experts_implementation("eager")  # a mixture's default kernel lacks float64
+    return model
 
 
 def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:

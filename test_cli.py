@@ -662,8 +662,8 @@ def test_self_draft_and_resident_layers_decode_as_the_target():
     --device-memory keeps some of the offloaded target's layers and the summary says how many."""
     runs = cli_run_all(
         [
-            (["--draft", "int4", "--max-new-tokens", "16", "--compare"], None),
-            (["--offload", "ram", "--device-memory", "0.02", "--max-new-tokens", "8"], None),
+            (["--draft", "int4", "--max-new-tokens", "16", "--compare"], {}),
+            (["--offload", "ram", "--device-memory", "0.02", "--max-new-tokens", "8"], {}),
         ]
     )
     for result in runs:

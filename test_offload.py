@@ -39,6 +39,7 @@ from transformers import (
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    Qwen3MoeConfig,
     SmolLM3Config,
 )
 
@@ -70,6 +71,9 @@ CONFIGS = {
     "granite": lambda: GraniteConfig(**SIZES, embedding_multiplier=12.0, logits_scaling=16.0),
     "smollm3": lambda: SmolLM3Config(**SIZES, pad_token_id=0, no_rope_layer_interval=2),
     "mixtral": lambda: MixtralConfig(**SIZES, num_local_experts=4),  # experts stored apart
+    "qwen3_moe": lambda: Qwen3MoeConfig(
+        **SIZES, head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64
+    ),
 }
 EAGER_ONLY = {"gemma2"}  # soft-capped attention logits, which sdpa cannot do
 
@@ -1043,6 +1047,24 @@ def test_what_cannot_run_is_refused_in_one_line(tmp_path, config, message):
     with pytest.raises(offload.OffloadError, match=message) as caught:
         offload.from_pretrained(tmp_path, device="cpu")
     assert "\n" not in str(caught.value)
+
+
+def test_a_float64_mixture_runs_in_memory_and_offloaded(tmp_path):
+    """transformers runs a mixture's experts with grouped_mm by default, which has no float64
+    kernel; the CLI's loader and offload.py switch such a model to its eager experts."""
+    import cli
+
+    save_model(tmp_path, CONFIGS["mixtral"](), dtype=torch.float64)
+    oracle = AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float64, experts_implementation="eager"
+    )
+    ids = torch.randint(97, (1, 7), generator=torch.Generator().manual_seed(9))
+    expected = oracle(ids).logits
+    in_memory = cli.load_model(tmp_path, torch.device("cpu"), torch.float64)
+    torch.testing.assert_close(in_memory(ids).logits, expected, rtol=1e-9, atol=1e-9)
+    with offload.from_pretrained(tmp_path, device="cpu") as model:
+        assert model.dtype == torch.float64
+        torch.testing.assert_close(model(ids).logits, expected, rtol=1e-9, atol=1e-9)
 
 
 def test_dtype_the_device_cannot_run(checkpoints):

@@ -527,8 +527,8 @@ def test_kept_caches_equal_a_fresh_forward(family):
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=float("nan")), "top_p"),
         (dict(max_new_tokens=-1), "max_new_tokens and top_k cannot be negative"),
-        (dict(budget="8"), "budget must be an integer, got '8'"),
-        (dict(budget=2.5), "budget must be an integer, got 2.5"),
+        (dict(budget="8"), "budget must be an integer or \"auto\", got '8'"),
+        (dict(budget=2.5), 'budget must be an integer or "auto", got 2.5'),
         (dict(width=True), "width must be an integer, got True"),
         (dict(top_p="x"), "top_p must be a number, got 'x'"),
         (dict(seed="1"), "seed must be an integer"),
@@ -798,6 +798,13 @@ REAL_SHAPES = {
         num_local_experts=8, num_experts_per_tok=2, rope_theta=1000000.0,
         sliding_window=None, tie_word_embeddings=False,
     ),
+    # Qwen3-30B-A3B: 128 experts, 8 per token (here 32 and 2), their weights renormalized,
+    # q/k norms, GQA 32/4, head_dim 128 = 2 hidden / heads, untied
+    "qwen3-moe": dict(
+        model_type="qwen3_moe", hidden_size=32, num_attention_heads=8, num_key_value_heads=1,
+        head_dim=8, num_experts=32, num_experts_per_tok=2, moe_intermediate_size=16,
+        norm_topk_prob=True, rope_theta=1000000.0, tie_word_embeddings=False,
+    ),
 }  # fmt: skip
 
 
@@ -895,6 +902,8 @@ def test_real_shapes_keep_their_options():
     assert real_model("smollm3").config.no_rope_layers == [1, 0]  # layer 1 has no rotary
     experts = real_model("mixtral").model.layers[0].mlp.experts
     assert experts.gate_up_proj.shape == (8, 2 * 64, 32) and experts.down_proj.shape == (8, 32, 64)
+    moe = real_model("qwen3-moe").model.layers[0].mlp
+    assert moe.experts.gate_up_proj.shape == (32, 2 * 16, 32) and moe.gate.top_k == 2
     for name in REAL_SHAPES:
         assert specexec.context_length(real_model(name).config) == 128
 
