@@ -20,17 +20,10 @@ try:  # torch takes seconds to import: Ctrl-C meanwhile exits as it does later, 
     import torch
 
     import quantize
+    from checks import SpecExecError, check_draft_vocab, check_prompt, context_length
+    from cost_model import CostModel
     from offload_files import OffloadError, one_line, open_checkpoint
-    from specexec import (
-        CostModel,
-        Options,
-        SpecExecError,
-        autoregressive,
-        check_prompt,
-        check_same_vocab_size,
-        context_length,
-        generate,
-    )
+    from specexec import Options, autoregressive, generate
 except KeyboardInterrupt:
     sys.exit(130)
 
@@ -427,7 +420,7 @@ def run(args):
     check_same_tokenizer(tokenizer, load_tokenizer(draft_dir))
     check_vocab(tokenizer, target_config, target_dir)
     check_vocab(tokenizer, draft_config, draft_dir)
-    check_same_vocab_size(target_config, draft_config)
+    check_draft_vocab(target_config, draft_config)
     for folder, config in [(target_dir, target_config), (draft_dir, draft_config)]:
         open_checkpoint(folder, config)  # every weight there with its shape, read from headers
     input_ids = tokenize(tokenizer, prompt, args.chat_template, target_dir)

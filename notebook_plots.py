@@ -32,7 +32,7 @@ def layered_layout(tree, kept):
     """(depth, row) of every node. Leaves are stacked in depth-first order, best child first;
     a parent sits level with the middle of its children; a dropped leaf takes less room."""
     children = {}
-    for node in sorted(range(1, len(tree.tokens)), key=tree.key):
+    for node in sorted(range(1, len(tree.tokens)), key=tree.rank):
         children.setdefault(tree.parents[node], []).append(node)
     pos, free_row = {}, 0.0
 

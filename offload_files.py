@@ -95,12 +95,12 @@ def load_configs(folder: Path):
     """The model's config, and its generation config (eos ids etc.) where the folder has one.
 
     The one place that decides which models are supported, for the CLI and the offloader: a
-    causal LM of transformers whose layers a tree pass can run, as `specexec.listen_to_layers`
+    causal LM of transformers whose layers a tree pass can run, as `families.listen_to_layers`
     checks on the model itself (attention that takes a 4D mask, a cache of keys and values)."""
     from transformers import AutoConfig, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    import specexec
+    import families
 
     try:
         config = AutoConfig.from_pretrained(folder)
@@ -116,8 +116,8 @@ def load_configs(folder: Path):
         check_count(config, name, folder)  # 0 or -1 layers build an empty model without a word
     skeleton(config, folder)  # an unknown activation or rope type: its own one-line error
     try:
-        specexec.listen_to_layers(config)
-    except specexec.SpecExecError as err:
+        families.listen_to_layers(config)
+    except families.UnsupportedModel as err:
         raise OffloadError(f"{folder}: {err}") from None
     check_count(config, counts[3], folder)  # the context (specexec.context_length)
     return config, generation

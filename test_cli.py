@@ -457,8 +457,11 @@ def test_ctrl_c_while_importing_exits_130_quietly(tmp_path):
 def copy_modules(folder):
     """The modules alone, as `pip install .` puts them, in `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
-    for module in ("specexec.py", "cli.py", "offload.py", "offload_files.py", "quantize.py"):
-        shutil.copy(HERE / module, folder / module)
+    import tomllib
+
+    modules = tomllib.loads((HERE / "pyproject.toml").read_text())["tool"]["setuptools"]
+    for module in modules["py-modules"]:
+        shutil.copy(HERE / f"{module}.py", folder / f"{module}.py")
     return folder / "specexec.py"
 
 

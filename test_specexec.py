@@ -11,6 +11,7 @@ import functools
 import json
 import math
 import re
+import time
 import types
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import specexec
+from cost_model import CostModel, running_mean
+from families import UnsupportedModel
 from specexec import SpecExecError
 
 HERE = Path(__file__).resolve().parent
@@ -80,9 +83,23 @@ def ancestors(parents, i):
 
 
 @settings(max_examples=60, **SETTINGS)
+@given(
+    parents=random_parents(),
+    n_cached=st.integers(0, 6),
+    window=st.sampled_from([None, 1, 3, 8]),
+    dtype=st.sampled_from([torch.float32, torch.float64, torch.float16]),
+)
+def test_tree_mask_equals_the_reference_built_one_token_at_a_time(parents, n_cached, window, dtype):
+    fast = specexec.tree_mask(parents, n_cached, dtype, "cpu", window)
+    plain = specexec.tree_mask_reference(parents, n_cached, dtype, "cpu", window)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(fast, plain))
+
+
+@settings(max_examples=60, **SETTINGS)
 @given(parents=random_parents(), n_cached=st.integers(0, 6))
 def test_mask_sees_exactly_prefix_ancestors_and_self(parents, n_cached):
-    mask, positions = specexec.tree_mask(parents, n_cached, torch.float32, "cpu")
+    """The reference mask (and so the fast one, above) against the definition: ancestors."""
+    mask, positions = specexec.tree_mask_reference(parents, n_cached, torch.float32, "cpu")
     n = len(parents)
     assert mask.shape == (1, 1, n, n_cached + n) and mask.dtype == torch.float32
     for i in range(n):
@@ -154,7 +171,6 @@ def check_tree_logits(model, prefix, tokens, parents):
 def test_tree_is_best_budget_nodes_closed_under_ancestors(
     seed, prompt, budget, max_depth, width, branch, draft_temperature
 ):
-    from transformers import DynamicCache
 
     draft = tiny_model("llama", seed, init=0.3)
     opts = specexec.Options(
@@ -164,10 +180,10 @@ def test_tree_is_best_budget_nodes_closed_under_ancestors(
         branch=branch,
         draft_temperature=draft_temperature,
     )
-    stats = specexec.Stats()
+    run = specexec.Run(target=None, draft=draft, opts=opts, limit=128)
     with torch.no_grad():
-        tree = specexec.grow_tree(draft, DynamicCache(), prompt, opts, stats, limit=128)
-    kept = tree.best()
+        tree = specexec.grow_tree(run, prompt)
+    kept, stats = tree.best(), run.stats
     dropped = set(range(1, len(tree.tokens))) - set(kept)
     assert len(kept) <= budget
     assert stats.draft_passes <= max_depth
@@ -178,26 +194,24 @@ def test_tree_is_best_budget_nodes_closed_under_ancestors(
             assert tree.cum_logprob[node] >= tree.cum_logprob[other]
     # Each node's cum_logprob is its path's draft log-probability (oracle: fresh forwards), at
     # the draft temperature: the given one, or 0.3 when decoding greedily.
-    sharpness = 0.3 if draft_temperature is None else draft_temperature
+    temperature = 0.3 if draft_temperature is None else draft_temperature
     for node in kept[:5]:
         path = [tree.tokens[j] for j in reversed(ancestors(tree.parents, node))]
         logp = 0.0
         for depth in range(1, len(path)):
             logits = fresh_logits(draft, prompt + path[1:depth])
-            logp += torch.log_softmax(logits / sharpness, -1)[path[depth]].item()
+            logp += torch.log_softmax(logits / temperature, -1)[path[depth]].item()
         assert math.isclose(tree.cum_logprob[node], logp, rel_tol=1e-6, abs_tol=1e-6)
 
 
 def test_tree_grows_best_first_until_budget_is_settled():
     """With room to spare, the search stops early once no candidate can enter the tree."""
-    from transformers import DynamicCache
-
     draft = tiny_model("llama", 0, init=0.3)
     opts = specexec.Options(budget=4, max_depth=50, width=4, branch=4)
-    stats = specexec.Stats()
+    run = specexec.Run(target=None, draft=draft, opts=opts, limit=128)
     with torch.no_grad():
-        specexec.grow_tree(draft, DynamicCache(), [1, 2, 3], opts, stats, limit=128)
-    assert stats.draft_passes < 50
+        specexec.grow_tree(run, [1, 2, 3])
+    assert run.stats.draft_passes < 50
 
 
 @pytest.mark.parametrize("budget", [1, 5, 17, 40])
@@ -205,12 +219,10 @@ def test_tree_is_the_best_budget_of_the_whole_search_space(budget):
     """With width >= budget, the pruned best-first search keeps exactly the `budget` most
     probable nodes of the full tree (every node's `branch` best children, to `max_depth`),
     enumerated here node by node with fresh forwards: nothing it skipped could have entered."""
-    from transformers import DynamicCache
-
     draft, prompt = tiny_model("llama", 1, init=0.3), [5, 6, 7]
     opts = specexec.Options(budget=budget, max_depth=4, width=budget, branch=3)
     with torch.no_grad():
-        tree = specexec.grow_tree(draft, DynamicCache(), prompt, opts, specexec.Stats(), 128)
+        tree = specexec.grow_tree(specexec.Run(None, draft, opts, limit=128), prompt)
     paths = {}  # token path from the root -> cum_logprob, for every node of the full tree
     frontier = [((), 0.0)]
     for _ in range(opts.max_depth):
@@ -257,7 +269,7 @@ def test_greedy_specexec_equals_greedy_target(
             target, draft, prompt, max_new_tokens=max_new_tokens, **options
         )
     assert tokens == expected
-    assert stats.new_tokens == len(tokens) == sum(stats.accepted)
+    assert stats.new_tokens == len(tokens) == sum(stats.emitted)
     assert max(stats.tree_sizes) <= budget
 
 
@@ -353,7 +365,7 @@ def test_auto_budget_equals_greedy_target(family, prompt, max_new_tokens):
         tokens, stats = specexec.generate(target, draft, prompt, budget="auto", **options)
     assert tokens == expected
     assert len(stats.choices) == stats.steps and stats.cost_model is not None
-    allowed = {0, *specexec.CostModel.BUDGETS, specexec.CostModel.budget}
+    allowed = {0, *CostModel.BUDGETS, CostModel.budget}
     assert {budget for budget, _ in stats.choices} <= allowed
 
 
@@ -381,7 +393,7 @@ def chain_tree(n, logprob):
 
 
 def test_cost_model_lines_through_the_sizes_it_ran():
-    cost = specexec.CostModel(max_depth=16, target_s={5: 2.0})
+    cost = CostModel(max_depth=16, target_s={5: 2.0})
     assert cost.t_target(1) == cost.t_target(50) == 2.0  # one size: flat
     cost.target_s = {1: 1.0, 11: 2.0, 21: 2.5}
     assert cost.t_target(6) == pytest.approx(1.5)  # between two sizes
@@ -401,7 +413,7 @@ def test_cost_model_lines_through_the_sizes_it_ran():
 def test_cost_model_chooses_the_most_tokens_per_second(target_s, draft_s, chosen):
     """E[tokens](b, d) / (d * t_draft + t_target(b + 1) + t_other), with a sure chain of 32
     (every node's draft path probability near 1, nothing observed yet: the prior's rates)."""
-    cost = specexec.CostModel(max_depth=32, target_s=target_s, draft_s=draft_s)
+    cost = CostModel(max_depth=32, target_s=target_s, draft_s=draft_s)
     cost.gains = cost.tree_gains(chain_tree(32, logprob=-0.001), max_depth=32)
     assert set(cost.gains) == {(b, d) for d in cost.DEPTHS for b in cost.BUDGETS if b <= min(d, 32)}
     rates = cost.rates()
@@ -411,19 +423,48 @@ def test_cost_model_chooses_the_most_tokens_per_second(target_s, draft_s, chosen
     assert cost.choose() == chosen
 
 
+def observe(cost, choice, n_fed, draft_s, target_s, passes, tree, kept, path):
+    """A step of `choice` that took draft_s + target_s seconds, as speculative_step reports it."""
+    after = specexec.Stats(draft_passes=passes, time_draft=draft_s, time_target=target_s)
+    started = (time.perf_counter() - draft_s - target_s, specexec.Stats())
+    cost.observe(choice, n_fed, started, after, tree, kept, path)
+
+
 def test_cost_model_learns_from_what_the_target_followed():
-    cost = specexec.CostModel(max_depth=8)
+    cost = CostModel(max_depth=8)
     assert cost.choose() == (cost.budget, 8)  # nothing measured: the first steps'
     tree = chain_tree(4, logprob=-1.0)  # bins 2, 4, 6, 8 (half nats)
-    cost.observe(100, 9.0, 0.01, 0.0, tree, kept=[1, 2, 3, 4], path=[1, 2], depth=8)
-    assert cost.target_s == {}  # the first pass read the prompt too: no tree's cost
-    cost.observe(5, 1.0, 0.01, 0.0, tree, kept=[1, 2, 3, 4], path=[1, 2], depth=8)
-    assert cost.target_s == {5: 1.0} and cost.draft_s == pytest.approx(0.01)
+    observe(cost, (8, 8), 100, 0.08, 9.0, 4, tree, kept=[1, 2, 3, 4], path=[1, 2])
+    assert cost.target_s == {100: 9.0}  # the first pass reads the prompt: a big pass's cost,
+    assert cost.step_s == {}  # but not a step's
+    observe(cost, (4, 4), 5, 0.04, 1.0, 4, tree, kept=[1, 2, 3, 4], path=[1, 2])
+    assert cost.target_s == {100: 9.0, 5: 1.0}
+    assert cost.draft_s == pytest.approx(running_mean(0.02, 0.01))  # per pass
+    assert cost.step_s[(4, 4)] == pytest.approx(1.04, abs=1e-3)
     assert cost.follow_rate(-1.0) == pytest.approx((2 + math.exp(-1)) / 3)  # followed twice
     assert cost.follow_rate(-3.0) == pytest.approx((0 + math.exp(-3)) / 3)  # never followed
     gain, passes = cost.gains[(4, 4)]
     rates = [cost.follow_rate(-1.0 * depth) for depth in range(1, 5)]
     assert passes == 4 and gain == pytest.approx(1 + sum(rates), rel=0.2)  # a running mean
+
+
+def test_cost_model_charges_what_steps_took_and_scales_what_it_predicts():
+    """A (budget, depth) that ran is charged the seconds its steps took; one that did not, its
+    parts, scaled by how far the parts fell short of whole steps. Its predicted gain is scaled
+    by the tokens steps gave against those predicted for them."""
+    cost = CostModel(max_depth=8, target_s={1: 1.0, 65: 1.0}, draft_s=0.1, steps=1)
+    tree = chain_tree(8, logprob=-0.1)
+    cost.gains = cost.tree_gains(tree, max_depth=8)
+    predicted_gain = cost.gains[(4, 4)][0]
+    observe(cost, (4, 4), 5, 0.8, 2.0, 4, tree, kept=[1, 2, 3, 4], path=[1, 2])  # 2.8 s
+    assert cost.seconds((4, 4), 4) == pytest.approx(2.8, abs=1e-3)  # as it ran
+    parts = 4 * 0.1 + 2.0  # 4 draft passes as predicted, the target pass as measured
+    assert cost.time_scale == pytest.approx(running_mean(1.0, 2.8 / parts), rel=1e-3)
+    unrun = cost.seconds((8, 8), 8)
+    assert unrun == pytest.approx(cost.time_scale * cost.from_parts(8, 8))
+    assert cost.tokens == pytest.approx([4 + 3, 4 + predicted_gain])  # 2 followed + the bonus
+    rates = cost.rates()
+    assert rates[(8, 8)] == pytest.approx(7 / (4 + predicted_gain) * cost.gains[(8, 8)][0] / unrun)
 
 
 def reference_probs(logits, temperature, top_k, top_p):
@@ -496,21 +537,16 @@ def test_sampled_frequencies_match_the_target_distribution(temperature, top_p, t
 @pytest.mark.parametrize("family", FAMILIES)
 def test_kept_caches_equal_a_fresh_forward(family):
     """After several steps both caches hold exactly seq[:-1]'s prefix: next logits match."""
-    from transformers import DynamicCache
-
     target = tiny_model(family, 0, init=0.4)
     draft = tiny_model(family, 1, init=0.4)
-    opts = specexec.Options(budget=24, max_depth=5, width=4, branch=3)
-    target_cache, draft_cache = DynamicCache(), DynamicCache()
-    seq, stats, rng = [9, 8, 7, 6], specexec.Stats(), torch.Generator().manual_seed(0)
+    opts = specexec.Options(budget=24, max_depth=5, width=4, branch=3, seed=0)
+    run, seq = specexec.Run(target, draft, opts, limit=128), [9, 8, 7, 6]
     with torch.no_grad():
         for _ in range(6):
-            seq += specexec.speculative_step(
-                target, draft, target_cache, draft_cache, seq, opts, rng, stats, limit=128
-            )
-            assert target_cache.get_seq_length() == len(seq) - 1
-            assert draft_cache.get_seq_length() <= len(seq) - 1
-        for model, cache in ((target, target_cache), (draft, draft_cache)):
+            seq += specexec.speculative_step(run, seq)
+            assert run.target_cache.get_seq_length() == len(seq) - 1
+            assert run.draft_cache.get_seq_length() <= len(seq) - 1
+        for model, cache in ((target, run.target_cache), (draft, run.draft_cache)):
             trunk = seq[cache.get_seq_length() :]
             logits = specexec.tree_forward(model, cache, trunk, specexec.chain(len(trunk)))[-1]
             torch.testing.assert_close(logits, fresh_logits(model, seq), rtol=1e-9, atol=1e-9)
@@ -526,7 +562,7 @@ def test_kept_caches_equal_a_fresh_forward(family):
         (dict(max_depth=0), "max_depth must be at least 1"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=float("nan")), "top_p"),
-        (dict(max_new_tokens=-1), "max_new_tokens and top_k cannot be negative"),
+        (dict(max_new_tokens=-1), "max_new_tokens must be at least 0, got -1"),
         (dict(budget="8"), "budget must be an integer or \"auto\", got '8'"),
         (dict(budget=2.5), 'budget must be an integer or "auto", got 2.5'),
         (dict(width=True), "width must be an integer, got True"),
@@ -1012,9 +1048,7 @@ def test_a_window_that_lets_a_token_see_nothing_is_refused():
     """Mistral does slide by `sliding_window`; a window of 0 would mask every key."""
     target = copy.deepcopy(real_model("mistral-v0.1"))
     target.config.sliding_window = 0
-    with pytest.raises(
-        SpecExecError, match="mistral: a sliding window of 0 lets a token see nothing"
-    ):
+    with pytest.raises(UnsupportedModel, match="mistral: a sliding window of 0 lets a token see"):
         specexec.generate(target, target, [1, 2, 3])
 
 
@@ -1035,7 +1069,7 @@ def test_what_a_tree_pass_cannot_run_is_refused_in_one_line(family, message):
     sizes = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2)
     config = transformers.AutoConfig.for_model(family, **sizes)
     target = types.SimpleNamespace(config=config)  # listened to on the meta device: no weights
-    with pytest.raises(SpecExecError, match=f"^{family} is not supported: {re.escape(message)}"):
+    with pytest.raises(UnsupportedModel, match=f"^{family} is not supported: {re.escape(message)}"):
         specexec.attention_windows(target)
 
 
@@ -1074,21 +1108,16 @@ def test_sliding_layers_of_a_config_built_cache_drop_old_entries():
 @pytest.mark.parametrize("name", REAL_SHAPES)
 def test_real_shapes_kept_caches_equal_a_fresh_forward(name):
     """After several steps each cache, run on by Hugging Face itself, gives a fresh forward."""
-    from transformers import DynamicCache
-
     target, draft = real_model(name), cut_draft(name)
     limit = specexec.context_length(target.config)
-    opts = specexec.Options(budget=24, max_depth=5, width=4, branch=3)
-    target_cache, draft_cache = DynamicCache(), DynamicCache()
-    seq, stats, rng = [9, 8, 7, 6], specexec.Stats(), torch.Generator().manual_seed(0)
+    opts = specexec.Options(budget=24, max_depth=5, width=4, branch=3, seed=0)
+    run, seq = specexec.Run(target, draft, opts, limit), [9, 8, 7, 6]
     with torch.no_grad():
-        while len(seq) + opts.max_depth + 1 <= limit and stats.steps < 8:  # past windows (24)
-            seq += specexec.speculative_step(
-                target, draft, target_cache, draft_cache, seq, opts, rng, stats, limit
-            )
-            stats.steps += 1
-            assert target_cache.get_seq_length() == len(seq) - 1
-        for model, cache in ((target, target_cache), (draft, draft_cache)):
+        while len(seq) + opts.max_depth + 1 <= limit and run.stats.steps < 8:  # past windows
+            seq += specexec.speculative_step(run, seq)
+            run.stats.steps += 1
+            assert run.target_cache.get_seq_length() == len(seq) - 1
+        for model, cache in ((target, run.target_cache), (draft, run.draft_cache)):
             trunk = torch.tensor([seq[cache.get_seq_length() :]])  # (1, n_trunk)
             logits = model(trunk, past_key_values=cache).logits[0, -1]  # (vocab,)
             torch.testing.assert_close(logits, fresh_logits(model, seq), **tolerance(model))

@@ -63,11 +63,11 @@ def experts_touched(options: dict, n_tokens: int, prompts: int = 4) -> float:
              for layer in model.model.layers]  # fmt: skip
     for seed in range(prompts):
         prompt = torch.randint(512, (32,), generator=torch.Generator().manual_seed(seed)).tolist()
-        target_cache, draft_cache = DynamicCache(), DynamicCache()
+        target_cache = DynamicCache()
         opts = specexec.Options(budget=max(1, n_tokens - 1), max_depth=16, width=32, branch=8)
         with torch.no_grad():
             specexec.tree_forward(model, target_cache, prompt[:-1], specexec.chain(31))
-            tree = specexec.grow_tree(model, draft_cache, prompt, opts, specexec.Stats(), 512)
+            tree = specexec.grow_tree(specexec.Run(None, model, opts, limit=512), prompt)
             routed.clear()  # the draft passes above ran the same model: count the verification
             kept = tree.best()[: n_tokens - 1]
             specexec.verify(model, target_cache, prompt, tree, kept)  # root + kept tokens

@@ -1,0 +1,183 @@
+"""Budget "auto": before each SpecExec step, the tree size and depth with the most tokens/s.
+
+In the paper's terms a step yields E[tokens](b, d) and costs d draft passes, one target pass
+over the tree and some bookkeeping, so auto takes the budget b and depth d that maximise
+
+    tokens/s = E[tokens](b, d) / (d * t_draft + t_target(b + 1) + t_other).
+
+Everything on the right is measured as the run goes, by `specexec.speculative_step` calling
+`observe` after each step and `choose` before the next. This file knows nothing of models: a
+tree is anything with `cum_logprob`, `depth` and `rank` (specexec.DraftTree).
+"""
+
+import math
+import time
+from dataclasses import dataclass, field
+
+
+def running_mean(old, new, weight=0.3):
+    """An exponential running mean: recent steps count most (costs drift as the context grows)."""
+    return new if old is None else (1 - weight) * old + weight * new
+
+
+@dataclass
+class CostModel:
+    """What auto measured and predicted; `choose` gives each step's (budget, depth).
+
+    The cost. t_target(n), the seconds of a target pass over n tokens, is measured at each size
+    run (the first pass too: it reads the prompt, a pass over many tokens, which bounds what
+    big trees cost), and read off straight lines between and beyond them; t_draft is one draft
+    pass; t_other the rest of a step. A (budget, depth) already run is charged what its steps
+    took, as a whole; one not yet run, its parts, scaled by how far the parts have fallen
+    short of whole steps so far. A tree up to `GROWTH` times the largest tree run so far is a
+    candidate (once two sizes are measured), so auto learns the cost of bigger trees a few
+    sizes at a time.
+
+    The gain. For the tree of the b best nodes no deeper than d: 1 (the bonus token) plus, for
+    each node, the chance that the target follows the path to it, read off how often nodes of
+    about that draft path probability were followed so far, averaged over recent trees, then
+    scaled by the tokens steps actually gave over those predicted for them.
+
+    Budget 0 is plain decoding (E = 1, no draft pass); after `PLAIN_STEPS` of those in a row,
+    one tree step looks at the draft's predictions again. Every `DEEPEN_EVERY` tree steps whose
+    tree reaches its depth limit, the search goes one level deeper, so that auto can see
+    whether a deeper tree pays.
+    """
+
+    max_depth: int
+    budget: int = 8  # the first step's (at depth max_depth), before anything is measured
+    depth: int | None = None
+    target_s: dict = field(default_factory=dict)  # tokens fed -> seconds of a target pass
+    draft_s: float | None = None  # seconds of one draft pass
+    other_s: float = 0.0  # seconds of the rest of a step
+    step_s: dict = field(default_factory=dict)  # (budget, depth) run -> seconds of its steps
+    time_scale: float = 1.0  # whole steps' seconds / their parts' (a running mean)
+    followed: list = field(default_factory=lambda: [0] * 40)  # per bin of cum_logprob
+    seen: list = field(default_factory=lambda: [0] * 40)
+    gains: dict = field(default_factory=dict)  # (budget, depth) -> (E[tokens], draft passes)
+    tokens: list = field(default_factory=lambda: [4.0, 4.0])  # emitted, predicted (a prior)
+    largest: int = 0  # the largest budget run so far
+    steps: int = 0
+    tree_steps: int = 0
+    plain_steps: int = 0  # in a row
+
+    BUDGETS = tuple(2**k for k in range(11))  # 1 .. 1024: the tree sizes auto considers
+    DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+    GROWTH, PLAIN_STEPS, DEEPEN_EVERY = 4, 8, 4
+
+    # ---- the cost ----
+
+    def t_target(self, n):
+        """Seconds of a target pass over n tokens: between two sizes run, on the line between
+        them; outside, on the line through the nearest two (never below the nearest)."""
+        sizes = sorted(self.target_s)
+        if len(sizes) == 1:
+            return self.target_s[sizes[0]]
+        i = min(max(1, sum(size < n for size in sizes)), len(sizes) - 1)  # the segment
+        (n0, t0), (n1, t1) = [(size, self.target_s[size]) for size in sizes[i - 1 : i + 1]]
+        seconds = t0 + (t1 - t0) / (n1 - n0) * (n - n0)
+        return max(seconds, t1) if n > n1 else max(seconds, 0.0)
+
+    def from_parts(self, budget, passes):
+        """A step's seconds from its parts: draft passes, one target pass, the rest."""
+        draft = passes * self.draft_s if budget else 0.0
+        return draft + self.t_target(budget + 1) + self.other_s
+
+    def seconds(self, choice, passes):
+        """A step's seconds: as its steps took, if run; else its parts, scaled."""
+        if choice in self.step_s:
+            return self.step_s[choice]
+        return self.time_scale * self.from_parts(choice[0], passes)
+
+    # ---- the gain ----
+
+    def bin(self, cum_logprob):
+        """Half-nat bins of the draft's path log-probability (at the tree's temperature)."""
+        return min(len(self.seen) - 1, int(-2 * cum_logprob))
+
+    def follow_rate(self, cum_logprob):
+        """How often the target followed nodes of this bin, with one prior node followed at the
+        draft's own probability."""
+        b = self.bin(cum_logprob)
+        return (self.followed[b] + math.exp(cum_logprob)) / (self.seen[b] + 1)
+
+    def tree_gains(self, tree, max_depth):
+        """E[tokens] and draft passes of each (budget, depth) that a tree searched to max_depth
+        can show. The tree of the b best nodes no deeper than d is the first b of them, best
+        first; a search for it needs as many draft passes as it is deep."""
+        ranked = sorted(range(1, len(tree.cum_logprob)), key=tree.rank)  # best first
+        gains = {}
+        for depth in (d for d in self.DEPTHS if d <= max_depth):
+            gain, deepest, b = 1.0, 0, 0
+            for node in (node for node in ranked if tree.depth[node] <= depth):
+                b, gain = b + 1, gain + self.follow_rate(tree.cum_logprob[node])
+                deepest = max(deepest, tree.depth[node])
+                if b in self.BUDGETS:
+                    gains[(b, depth)] = gain, deepest
+                if b == self.BUDGETS[-1]:
+                    break
+        return gains
+
+    # ---- measuring and choosing ----
+
+    def observe(self, choice, n_fed, started, stats, tree, kept, path):
+        """What a step of `choice` = (budget, depth) cost, and which of its tree's nodes the
+        target followed. n_fed: the tokens its target pass read; started: (perf_counter(),
+        Stats) when it started, stats: its Stats now (specexec.Stats)."""
+        now, before = time.perf_counter(), started[1]
+        passes = stats.draft_passes - before.draft_passes
+        seconds = dict(draft=stats.time_draft - before.time_draft)
+        seconds["target"] = stats.time_target - before.time_target
+        seconds["other"] = now - started[0] - seconds["draft"] - seconds["target"]
+        budget, depth = choice
+        first, step = not self.steps, sum(seconds.values())
+        self.target_s[n_fed] = running_mean(self.target_s.get(n_fed), seconds["target"])
+        if not first:  # the first step reads the prompt too: no step's whole cost
+            if budget:  # how far the parts fell short of the whole, as predicted
+                predicted = self.from_parts(budget, self.gains.get(choice, (0, passes))[1])
+                self.time_scale = running_mean(self.time_scale, step / predicted)
+            self.step_s[choice] = running_mean(self.step_s.get(choice), step)
+            self.other_s = running_mean(self.other_s if self.steps > 1 else None, seconds["other"])
+        self.steps += 1
+        self.plain_steps = 0 if budget else self.plain_steps + 1
+        if not budget:
+            return
+        self.tree_steps, self.largest = self.tree_steps + 1, max(self.largest, budget)
+        self.draft_s = running_mean(self.draft_s, seconds["draft"] / passes)
+        if choice in self.gains:  # emitted against predicted: the gain's calibration
+            self.tokens[0] += len(path) + 1
+            self.tokens[1] += self.gains[choice][0]
+        for node in kept:
+            self.seen[self.bin(tree.cum_logprob[node])] += 1
+            self.followed[self.bin(tree.cum_logprob[node])] += node in path
+        for key, (gain, need) in self.tree_gains(tree, depth).items():
+            old_gain, old_need = self.gains.get(key, (None, None))
+            self.gains[key] = running_mean(old_gain, gain), running_mean(old_need, need)
+
+    @property
+    def gain_scale(self):
+        """Tokens the tree steps gave, over the tokens predicted for them (with a prior of 4)."""
+        return self.tokens[0] / self.tokens[1]
+
+    def rates(self):
+        """Predicted tokens per second of each (budget, depth); budget 0 is no tree."""
+        rates = {(0, 0): 1 / self.seconds((0, 0), 0)}
+        # With one size measured (the first pass's), every size costs the same: stay at the
+        # sizes run until a second one draws the line.
+        largest = self.largest * (self.GROWTH if len(self.target_s) > 1 else 1)
+        for (b, depth), (gain, passes) in self.gains.items():
+            if b <= largest:
+                rates[(b, depth)] = self.gain_scale * gain / self.seconds((b, depth), passes)
+        return rates
+
+    def choose(self):
+        """This step's (budget, depth)."""
+        if not self.gains or self.draft_s is None:  # nothing measured yet
+            return self.budget, self.max_depth
+        rates = self.rates()
+        if self.plain_steps >= self.PLAIN_STEPS:  # look at the draft again
+            rates.pop((0, 0))
+        self.budget, self.depth = max(rates, key=rates.get)
+        reaches_limit = self.budget and self.gains[(self.budget, self.depth)][1] >= self.depth
+        deeper = reaches_limit and self.tree_steps % self.DEEPEN_EVERY == 0
+        return self.budget, min(self.depth + deeper, self.max_depth)
