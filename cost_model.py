@@ -29,23 +29,22 @@ class CostModel:
     big trees cost), and read off straight lines between and beyond them; t_draft is one draft
     pass; t_other the rest of a step. A (budget, depth) already run is charged what its steps
     took, as a whole; one not yet run, its parts, scaled by how far the parts have fallen
-    short of whole steps so far. A tree up to `GROWTH` times the largest tree run so far is a
-    candidate (once two sizes are measured), so auto learns the cost of bigger trees a few
-    sizes at a time.
+    short of whole steps so far. A tree is a candidate when its pass lies between two sizes
+    measured, or is at most `GROWTH` times the largest tree run so far, so auto learns the
+    cost of bigger trees a few sizes at a time.
 
     The gain. For the tree of the b best nodes no deeper than d: 1 (the bonus token) plus, for
     each node, the chance that the target follows the path to it, read off how often nodes of
-    about that draft path probability were followed so far, averaged over recent trees, then
-    scaled by the tokens steps actually gave over those predicted for them.
+    about that draft path probability were followed so far, averaged over recent trees.
 
     Budget 0 is plain decoding (E = 1, no draft pass); after `PLAIN_STEPS` of those in a row,
     one tree step looks at the draft's predictions again. Every `DEEPEN_EVERY` tree steps whose
-    tree reaches its depth limit, the search goes one level deeper, so that auto can see
+    tree reaches its depth limit, the search goes to the next depth, so that auto can see
     whether a deeper tree pays.
     """
 
     max_depth: int
-    budget: int = 8  # the first step's (at depth max_depth), before anything is measured
+    budget: int = 32  # the first step's (at FIRST_DEPTH), before anything is measured
     depth: int | None = None
     target_s: dict = field(default_factory=dict)  # tokens fed -> seconds of a target pass
     draft_s: float | None = None  # seconds of one draft pass
@@ -55,7 +54,6 @@ class CostModel:
     followed: list = field(default_factory=lambda: [0] * 40)  # per bin of cum_logprob
     seen: list = field(default_factory=lambda: [0] * 40)
     gains: dict = field(default_factory=dict)  # (budget, depth) -> (E[tokens], draft passes)
-    tokens: list = field(default_factory=lambda: [4.0, 4.0])  # emitted, predicted (a prior)
     largest: int = 0  # the largest budget run so far
     steps: int = 0
     tree_steps: int = 0
@@ -64,6 +62,7 @@ class CostModel:
     BUDGETS = tuple(2**k for k in range(11))  # 1 .. 1024: the tree sizes auto considers
     DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
     GROWTH, PLAIN_STEPS, DEEPEN_EVERY = 4, 8, 4
+    FIRST_DEPTH = 8  # the first tree's: its gains up to 8 deep, then deeper as it pays
 
     # ---- the cost ----
 
@@ -144,9 +143,6 @@ class CostModel:
             return
         self.tree_steps, self.largest = self.tree_steps + 1, max(self.largest, budget)
         self.draft_s = running_mean(self.draft_s, seconds["draft"] / passes)
-        if choice in self.gains:  # emitted against predicted: the gain's calibration
-            self.tokens[0] += len(path) + 1
-            self.tokens[1] += self.gains[choice][0]
         for node in kept:
             self.seen[self.bin(tree.cum_logprob[node])] += 1
             self.followed[self.bin(tree.cum_logprob[node])] += node in path
@@ -154,30 +150,28 @@ class CostModel:
             old_gain, old_need = self.gains.get(key, (None, None))
             self.gains[key] = running_mean(old_gain, gain), running_mean(old_need, need)
 
-    @property
-    def gain_scale(self):
-        """Tokens the tree steps gave, over the tokens predicted for them (with a prior of 4)."""
-        return self.tokens[0] / self.tokens[1]
-
     def rates(self):
         """Predicted tokens per second of each (budget, depth); budget 0 is no tree."""
         rates = {(0, 0): 1 / self.seconds((0, 0), 0)}
-        # With one size measured (the first pass's), every size costs the same: stay at the
-        # sizes run until a second one draws the line.
-        largest = self.largest * (self.GROWTH if len(self.target_s) > 1 else 1)
+        # Trees whose pass lies between two sizes measured (the prompt's pass is the largest),
+        # or up to GROWTH x the largest tree run. With one size measured (the first pass),
+        # every size would cost the same: stay at the trees run until a second draws the line.
+        sizes = sorted(self.target_s)
+        largest = max(self.GROWTH * self.largest, sizes[-1] - 1) if sizes[1:] else self.largest
         for (b, depth), (gain, passes) in self.gains.items():
             if b <= largest:
-                rates[(b, depth)] = self.gain_scale * gain / self.seconds((b, depth), passes)
+                rates[(b, depth)] = gain / self.seconds((b, depth), passes)
         return rates
 
     def choose(self):
         """This step's (budget, depth)."""
         if not self.gains or self.draft_s is None:  # nothing measured yet
-            return self.budget, self.max_depth
+            return self.budget, min(self.FIRST_DEPTH, self.max_depth)
         rates = self.rates()
         if self.plain_steps >= self.PLAIN_STEPS:  # look at the draft again
             rates.pop((0, 0))
         self.budget, self.depth = max(rates, key=rates.get)
         reaches_limit = self.budget and self.gains[(self.budget, self.depth)][1] >= self.depth
-        deeper = reaches_limit and self.tree_steps % self.DEEPEN_EVERY == 0
-        return self.budget, min(self.depth + deeper, self.max_depth)
+        if reaches_limit and self.tree_steps % self.DEEPEN_EVERY == 0:  # the next depth's gains
+            return self.budget, min([d for d in self.DEPTHS if d > self.depth] + [self.max_depth])
+        return self.budget, self.depth

@@ -32,6 +32,12 @@ caches simple: after each step, each model's KV cache holds a prefix of `seq` th
 include its last token (the root of the next tree); a model is always fed the part of `seq`
 its cache lacks (the "trunk") before anything else. The first step's trunk is the prompt.
 `speculative_step` checks the invariant at the end of every step.
+
+This file, top-down in the order a step runs: config (Options, Stats, and Run, a generation's
+state) -> sampling -> draft tree -> tree attention mask -> verification and acceptance -> the
+step -> the loop -> the plain-decoding baseline. Beside it: checks.py (what a user hands in),
+cost_model.py (budget "auto": the b and d that maximise E[tokens](b, d) / (d * t_draft +
+t_target(b + 1) + t_other)), families.py (which models a tree pass runs, and their windows).
 """
 
 if __name__ == "__main__":  # `python specexec.py`: the command line, before the slow imports below
@@ -511,15 +517,22 @@ def keep_path(cache, nodes, path):
 
     The cache ends with one entry per node of `nodes`, in order; what precedes them stays,
     as do the entries of `path`'s nodes (those the cache holds). `DynamicCache.crop` can only
-    drop a suffix, and the path is scattered among the tree's entries, so we gather.
+    drop a suffix, and the path is scattered among the tree's entries, so we move the path's
+    entries up to just after the prefix, then drop everything after them. The prefix is not
+    copied: a step's cost must not grow with the context (a plain step drops nothing).
     """
     n_prefix = cache.get_seq_length() - len(nodes)
     position = {node: n_prefix + i for i, node in enumerate(nodes)}
-    keep = list(range(n_prefix)) + [position[node] for node in path if node in position]
+    kept = [position[node] for node in path if node in position]  # in order, each >= its slot
+    n_keep = n_prefix + len(kept)
+    moved = kept != list(range(n_prefix, n_keep))  # a path at the front is in place already
     for layer in cache.layers:
-        index = torch.tensor(keep, dtype=torch.long, device=layer.keys.device)  # (n_keep,)
-        layer.keys = layer.keys.index_select(-2, index)  # (1, heads, n_keep, head_dim)
-        layer.values = layer.values.index_select(-2, index)
+        for name in ("keys", "values"):  # each (1, heads, n_prefix + len(nodes), head_dim)
+            tensor = getattr(layer, name)
+            if moved:  # gathered first, then written: sources never lie before their slots
+                index = torch.tensor(kept, dtype=torch.long, device=tensor.device)  # (n_path,)
+                tensor[..., n_prefix:n_keep, :] = tensor.index_select(-2, index)
+            setattr(layer, name, tensor[..., :n_keep, :])  # (1, heads, n_keep, head_dim)
 
 
 def speculative_step(run, seq):

@@ -369,6 +369,27 @@ def test_auto_budget_equals_greedy_target(family, prompt, max_new_tokens):
     assert {budget for budget, _ in stats.choices} <= allowed
 
 
+@settings(max_examples=40, **SETTINGS)
+@given(parents=random_parents(max_nodes=12), n_prefix=st.integers(0, 5), data=st.data())
+def test_keep_path_keeps_the_prefix_and_the_path_in_order(parents, n_prefix, data):
+    """Oracle: the entries of the prefix and of the path's nodes, picked one by one."""
+    from transformers import DynamicCache
+
+    nodes = list(range(1, len(parents) + 1))  # tree nodes 1..n, as their entries lie
+    leaf = data.draw(st.sampled_from(nodes))
+    path = [node + 1 for node in reversed(ancestors(parents, leaf - 1))]  # root-side first
+    cache, n = DynamicCache(), n_prefix + len(nodes)
+    for layer in range(2):
+        keys, values = torch.randn(1, 2, n, 4), torch.randn(1, 2, n, 4)  # (1, heads, n, dim)
+        cache.update(keys, values, layer)
+    entries = list(range(n_prefix)) + [n_prefix + node - 1 for node in path]
+    expected = [(layer.keys[:, :, entries], layer.values[:, :, entries]) for layer in cache.layers]
+    specexec.keep_path(cache, nodes, path)
+    assert cache.get_seq_length() == n_prefix + len(path)
+    for layer, (keys, values) in zip(cache.layers, expected):
+        assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
+
+
 def test_auto_budget_sampling_with_a_seed_equals_the_target_alone():
     target, draft = tiny_model("qwen2", 0, init=0.3), tiny_model("qwen2", 1, init=0.3)
     options = dict(temperature=0.8, top_p=0.9, max_new_tokens=40, eos_token_id=[])
@@ -413,7 +434,7 @@ def test_cost_model_lines_through_the_sizes_it_ran():
 def test_cost_model_chooses_the_most_tokens_per_second(target_s, draft_s, chosen):
     """E[tokens](b, d) / (d * t_draft + t_target(b + 1) + t_other), with a sure chain of 32
     (every node's draft path probability near 1, nothing observed yet: the prior's rates)."""
-    cost = CostModel(max_depth=32, target_s=target_s, draft_s=draft_s)
+    cost = CostModel(max_depth=32, target_s=target_s, draft_s=draft_s, largest=32)
     cost.gains = cost.tree_gains(chain_tree(32, logprob=-0.001), max_depth=32)
     assert set(cost.gains) == {(b, d) for d in cost.DEPTHS for b in cost.BUDGETS if b <= min(d, 32)}
     rates = cost.rates()
@@ -421,6 +442,19 @@ def test_cost_model_chooses_the_most_tokens_per_second(target_s, draft_s, chosen
     gain = 1 + sum(math.exp(-0.001 * depth) for depth in range(1, 17))
     assert rates[(16, 16)] == pytest.approx(gain / (16 * draft_s + cost.t_target(17)))
     assert cost.choose() == chosen
+
+
+def test_cost_model_grows_trees_once_two_sizes_are_measured_and_deepens_to_the_next_depth():
+    cost = CostModel(max_depth=32, target_s={171: 0.03}, draft_s=0.001, largest=8)
+    cost.gains = cost.tree_gains(chain_tree(64, logprob=-0.001), max_depth=32)
+    assert max(b for b, _ in cost.rates()) == 8  # the prompt's pass alone: all sizes cost alike
+    cost.target_s[9] = 0.01
+    assert max(b for b, _ in cost.rates()) == 32  # a line: up to GROWTH x the largest run
+    cost = CostModel(max_depth=16, target_s={1: 1.0, 5: 1.0}, draft_s=0.01, largest=4)
+    cost.gains, cost.tree_steps = {(4, 4): (3.0, 4)}, 4  # its trees reach their depth limit
+    assert cost.choose() == (4, 6)  # every DEEPEN_EVERY tree steps: the next of DEPTHS
+    cost.tree_steps = 5
+    assert cost.choose() == (4, 4)
 
 
 def observe(cost, choice, n_fed, draft_s, target_s, passes, tree, kept, path):
@@ -431,8 +465,8 @@ def observe(cost, choice, n_fed, draft_s, target_s, passes, tree, kept, path):
 
 
 def test_cost_model_learns_from_what_the_target_followed():
-    cost = CostModel(max_depth=8)
-    assert cost.choose() == (cost.budget, 8)  # nothing measured: the first steps'
+    cost = CostModel(max_depth=16)
+    assert cost.choose() == (cost.budget, cost.FIRST_DEPTH)  # nothing measured: the first step'
     tree = chain_tree(4, logprob=-1.0)  # bins 2, 4, 6, 8 (half nats)
     observe(cost, (8, 8), 100, 0.08, 9.0, 4, tree, kept=[1, 2, 3, 4], path=[1, 2])
     assert cost.target_s == {100: 9.0}  # the first pass reads the prompt: a big pass's cost,
@@ -452,7 +486,7 @@ def test_cost_model_charges_what_steps_took_and_scales_what_it_predicts():
     """A (budget, depth) that ran is charged the seconds its steps took; one that did not, its
     parts, scaled by how far the parts fell short of whole steps. Its predicted gain is scaled
     by the tokens steps gave against those predicted for them."""
-    cost = CostModel(max_depth=8, target_s={1: 1.0, 65: 1.0}, draft_s=0.1, steps=1)
+    cost = CostModel(max_depth=8, target_s={1: 1.0, 65: 1.0}, draft_s=0.1, steps=1, largest=8)
     tree = chain_tree(8, logprob=-0.1)
     cost.gains = cost.tree_gains(tree, max_depth=8)
     predicted_gain = cost.gains[(4, 4)][0]
