@@ -484,21 +484,19 @@ def test_cost_model_learns_from_what_the_target_followed():
 
 def test_cost_model_charges_what_steps_took_and_scales_what_it_predicts():
     """A (budget, depth) that ran is charged the seconds its steps took; one that did not, its
-    parts, scaled by how far the parts fell short of whole steps. Its predicted gain is scaled
-    by the tokens steps gave against those predicted for them."""
+    parts, scaled by how far the parts fell short of whole steps."""
     cost = CostModel(max_depth=8, target_s={1: 1.0, 65: 1.0}, draft_s=0.1, steps=1, largest=8)
     tree = chain_tree(8, logprob=-0.1)
     cost.gains = cost.tree_gains(tree, max_depth=8)
-    predicted_gain = cost.gains[(4, 4)][0]
     observe(cost, (4, 4), 5, 0.8, 2.0, 4, tree, kept=[1, 2, 3, 4], path=[1, 2])  # 2.8 s
     assert cost.seconds((4, 4), 4) == pytest.approx(2.8, abs=1e-3)  # as it ran
     parts = 4 * 0.1 + 2.0  # 4 draft passes as predicted, the target pass as measured
     assert cost.time_scale == pytest.approx(running_mean(1.0, 2.8 / parts), rel=1e-3)
     unrun = cost.seconds((8, 8), 8)
     assert unrun == pytest.approx(cost.time_scale * cost.from_parts(8, 8))
-    assert cost.tokens == pytest.approx([4 + 3, 4 + predicted_gain])  # 2 followed + the bonus
     rates = cost.rates()
-    assert rates[(8, 8)] == pytest.approx(7 / (4 + predicted_gain) * cost.gains[(8, 8)][0] / unrun)
+    assert rates[(8, 8)] == pytest.approx(cost.gains[(8, 8)][0] / unrun)
+    assert rates[(4, 4)] == pytest.approx(cost.gains[(4, 4)][0] / cost.seconds((4, 4), 4))
 
 
 def reference_probs(logits, temperature, top_k, top_p):
