@@ -61,7 +61,7 @@ class CostModel:
 
     BUDGETS = tuple(2**k for k in range(11))  # 1 .. 1024: the tree sizes auto considers
     DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-    GROWTH, PLAIN_STEPS, DEEPEN_EVERY = 4, 8, 4
+    GROWTH, PLAIN_STEPS, DEEPEN_EVERY, PRIOR = 4, 4, 4, 4
     FIRST_DEPTH = 8  # the first tree's: its gains up to 8 deep, then deeper as it pays
 
     # ---- the cost ----
@@ -95,10 +95,11 @@ class CostModel:
         return min(len(self.seen) - 1, int(-2 * cum_logprob))
 
     def follow_rate(self, cum_logprob):
-        """How often the target followed nodes of this bin, with one prior node followed at the
-        draft's own probability."""
+        """How often the target followed nodes of this bin, with `PRIOR` nodes followed at the
+        draft's own probability: one unlucky tree must not rule trees out for good."""
         b = self.bin(cum_logprob)
-        return (self.followed[b] + math.exp(cum_logprob)) / (self.seen[b] + 1)
+        prior = self.PRIOR * math.exp(cum_logprob)
+        return (self.followed[b] + prior) / (self.seen[b] + self.PRIOR)
 
     def tree_gains(self, tree, max_depth):
         """E[tokens] and draft passes of each (budget, depth) that a tree searched to max_depth

@@ -475,8 +475,9 @@ def test_cost_model_learns_from_what_the_target_followed():
     assert cost.target_s == {100: 9.0, 5: 1.0}
     assert cost.draft_s == pytest.approx(running_mean(0.02, 0.01))  # per pass
     assert cost.step_s[(4, 4)] == pytest.approx(1.04, abs=1e-3)
-    assert cost.follow_rate(-1.0) == pytest.approx((2 + math.exp(-1)) / 3)  # followed twice
-    assert cost.follow_rate(-3.0) == pytest.approx((0 + math.exp(-3)) / 3)  # never followed
+    prior = cost.PRIOR  # nodes followed at the draft's probability
+    assert cost.follow_rate(-1.0) == pytest.approx((2 + prior * math.exp(-1)) / (2 + prior))
+    assert cost.follow_rate(-3.0) == pytest.approx((0 + prior * math.exp(-3)) / (2 + prior))
     gain, passes = cost.gains[(4, 4)]
     rates = [cost.follow_rate(-1.0 * depth) for depth in range(1, 5)]
     assert passes == 4 and gain == pytest.approx(1 + sum(rates), rel=0.2)  # a running mean

@@ -374,7 +374,7 @@ def save_plot(rows, path, title):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4.4), dpi=80)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5.2), dpi=100)
     for setting, colour in (("greedy", "C0"), ("sampled", "C1")):
         spec = [r for r in rows if r.setting == setting and r.budget and r.budget != "auto"]
         others = [r for r in rows if r.setting == setting and r.budget in (None, "auto")]
@@ -383,18 +383,20 @@ def save_plot(rows, path, title):
             ax.plot(budgets, [getattr(r, value) for r in spec], "o-", color=colour,
                     label=f"SpecExec, {setting}")  # fmt: skip
             for other, style in zip(others, (":", "--", "-.", (0, (5, 1)))):
-                ax.axhline(getattr(other, value), color=colour, linestyle=style, linewidth=1,
-                           label=f"{other.method.split(',')[0]}, {setting}")  # fmt: skip
-    for ax, label in zip(axes, ("tokens per target pass", "tokens/s (wall clock)")):
+                ax.axhline(getattr(other, value), color=colour, linestyle=style, linewidth=1.6,
+                           label=f"{other.label()}, {setting}")  # fmt: skip
+    panels = ("tokens per target pass", "tokens/s, wall clock on this machine")
+    for ax, label in zip(axes, panels):
         ax.set_xscale("log", base=2)
         ax.set_xticks(budgets, [str(b) for b in budgets])
-        ax.set_xlabel("budget (draft nodes verified per pass)")
-        ax.set_ylabel(label)
+        ax.set_xlabel("budget (draft nodes verified per pass)", fontsize=11)
+        ax.set_title(label, fontsize=12)
+        ax.tick_params(labelsize=10)
         ax.grid(alpha=0.3)
     handles, labels = axes[1].get_legend_handles_labels()  # one legend, below both panels
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7, frameon=False)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout(rect=(0, 0.13, 1, 1))
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=10, frameon=False)
+    fig.suptitle(title, fontsize=12)
+    fig.tight_layout(rect=(0, 0.2, 1, 1))
     fig.savefig(path)
     plt.close(fig)
 
@@ -476,7 +478,11 @@ def run(cfg):
         for sampled in (False, True):
             rows += table_rows(cfg, target, hf_target, draft, prompt_ids, eos, meters, sampled)
     print_table(rows)
-    title = f"{Path(cfg.target).name} / {Path(cfg.draft).name}, target {where}; {cpu_name()}"
+    title = (
+        f"SpecExec against plain decoding: the default pair ({where}) on {cpu_name()}, "
+        f"{len(prompts)} prompts x {cfg.tokens} tokens,\ngreedy and sampled (temperature "
+        f"{cfg.temperature}, top-p {cfg.top_p}); horizontal lines: the methods without a budget"
+    )
     save_plot(rows, cfg.plot, title)
     print(f"\nplot: {cfg.plot}")
 

@@ -16,11 +16,12 @@ disk dominates a forward pass, and which still says what the trained target says
 So every byte is real (read from disk each pass, multiplied on the CPU), the draft agrees with
 it as it agrees with the trained target (the same text, up to float rounding in the wider
 sums), and the grown model is its own model: exactness is always checked against its own
-plain decoding. The run measures, in one process and on the same prompts: the disk's raw cold
-read, plain decoding of the grown target offloaded from disk (`--offload ssd`, O_DIRECT reads,
-no page cache), SpecExec with the default draft at each budget, and a projection from the
-parts of this same run (per-layer read and compute seconds at each tree size, the draft's
-seconds per step), so the projection is checked by the measurement beside it.
+plain decoding. The run measures, in one process and on the same prompts: the offloader's own
+reads with nothing computing, plain decoding of the grown target offloaded from disk
+(`--offload ssd`, O_DIRECT reads, no page cache), SpecExec with the default draft at each
+budget, and a projection from the parts of this same run (per-layer read and compute seconds
+at each tree size, the draft's seconds per step), so the projection is checked by the
+measurement beside it.
 """
 
 import argparse
@@ -129,7 +130,7 @@ def grow_target(source, dest, n_layers, intermediate, seed=0):
     return dest
 
 
-# ---- the parts: the disk's raw read, the compute with no reading ----
+# ---- the parts: the reads with no compute, the compute with no reading ----
 
 
 def raw_read_s(model):
