@@ -448,15 +448,16 @@ def convert(ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, offload_dir, k
 
     if offload_dir is None:
         raise OffloadError(f"{ckpt.folder} needs a one-time conversion for ssd; pass offload_dir")
+    offload_dir = Path(offload_dir).expanduser()  # "~/copies": in the home folder, not "./~"
     dtype_name = str(dtype).removeprefix("torch.")
     label = f"{kind}-{dtype_name}" if kind else dtype_name  # int8-float16: int8 with fp16 scales
-    folder = Path(offload_dir).expanduser() / f"{ckpt.folder.name}-{ckpt.fingerprint()}-{label}"
+    folder = offload_dir / f"{ckpt.folder.name}-{ckpt.fingerprint()}-{label}"
     manifest = {"source": str(ckpt.folder.resolve()), "dtype": dtype_name, "layers": n_layers}
     manifest["quantize"] = kind
     files = [folder / f"layer_{i:03d}.safetensors" for i in range(n_layers)]
     try:
-        Path(offload_dir).mkdir(parents=True, exist_ok=True)
-        with locked(Path(offload_dir)):
+        offload_dir.mkdir(parents=True, exist_ok=True)
+        with locked(offload_dir):
             damage = copy_damage(folder, manifest, files)
             if damage is None:
                 return folder  # converted by an earlier run

@@ -379,6 +379,7 @@ def test_dtype_conversion_writes_and_reuses_offload_folder(tmp_path, capsys, mon
         torch.testing.assert_close(model(ids).logits, oracle(ids).logits, rtol=1e-5, atol=1e-5)
     (converted,) = (tmp_path / "off").glob("bf16-*-float32")
     assert model.converted_folder == converted
+    assert not (Path.cwd() / "~").exists()  # nothing made in a folder named "~" (its lock neither)
     said = capsys.readouterr().err
     assert f"offload: writing a 0.00 GB float32 per-layer copy of {tmp_path / 'bf16'}" in said
     assert f"into {converted} (reused next time; delete it to free the space)" in said
