@@ -136,7 +136,7 @@ class CostModel:
             (b, d): (gain[i][j], deepest[i][j])
             for i, d in enumerate(depths)
             for j, b in enumerate(self.BUDGETS)
-            if shown[i][j]
+            if shown[i][j] and d <= b  # b nodes are never deeper than b: more passes buy nothing
         }
 
     # ---- measuring and choosing ----
@@ -195,7 +195,8 @@ class CostModel:
         if self.plain_steps >= self.PLAIN_STEPS:  # look at the draft again
             rates.pop((0, 0))
         self.budget, self.depth = max(rates, key=rates.get)
-        reaches_limit = self.budget and self.gains[(self.budget, self.depth)][1] >= self.depth
+        deepest = self.gains[(self.budget, self.depth)][1] if self.budget else 0
+        reaches_limit = self.depth < self.budget and deepest >= self.depth  # deeper may pay
         if reaches_limit and self.tree_steps % self.DEEPEN_EVERY == 0:  # the next depth's gains
             return self.budget, min([d for d in self.DEPTHS if d > self.depth] + [self.max_depth])
         return self.budget, self.depth

@@ -436,7 +436,8 @@ def test_cost_model_chooses_the_most_tokens_per_second(target_s, draft_s, chosen
     (every node's draft path probability near 1, nothing observed yet: the prior's rates)."""
     cost = CostModel(max_depth=32, target_s=target_s, draft_s=draft_s, largest=32)
     cost.gains = cost.tree_gains(chain_tree(32, logprob=-0.001), max_depth=32)
-    assert set(cost.gains) == {(b, d) for d in cost.DEPTHS for b in cost.BUDGETS if b <= min(d, 32)}
+    # A chain's b best nodes no deeper than d: b <= d; and a depth beyond b buys nothing: b == d
+    assert set(cost.gains) == {(b, b) for b in cost.BUDGETS if b in cost.DEPTHS and b <= 32}
     rates = cost.rates()
     assert max(rates, key=rates.get) == chosen
     gain = 1 + sum(math.exp(-0.001 * depth) for depth in range(1, 17))
@@ -450,10 +451,12 @@ def test_cost_model_grows_trees_once_two_sizes_are_measured_and_deepens_to_the_n
     assert max(b for b, _ in cost.rates()) == 8  # the prompt's pass alone: all sizes cost alike
     cost.target_s[9] = 0.01
     assert max(b for b, _ in cost.rates()) == 32  # a line: up to GROWTH x the largest run
-    cost = CostModel(max_depth=16, target_s={1: 1.0, 5: 1.0}, draft_s=0.01, largest=4)
-    cost.gains, cost.tree_steps = {(4, 4): (3.0, 4)}, 4  # its trees reach their depth limit
-    assert cost.choose() == (4, 6)  # every DEEPEN_EVERY tree steps: the next of DEPTHS
+    cost = CostModel(max_depth=16, target_s={1: 1.0, 9: 1.0}, draft_s=0.01, largest=8)
+    cost.gains, cost.tree_steps = {(8, 4): (3.0, 4)}, 4  # its trees reach their depth limit
+    assert cost.choose() == (8, 6)  # every DEEPEN_EVERY tree steps: the next of DEPTHS
     cost.tree_steps = 5
+    assert cost.choose() == (8, 4)
+    cost.gains, cost.tree_steps = {(4, 4): (3.0, 4)}, 4  # 4 nodes are never deeper than 4
     assert cost.choose() == (4, 4)
 
 
@@ -485,7 +488,7 @@ def test_tree_gains_are_a_plain_walk_over_the_best_nodes(parents, max_depth, dat
             if depth[node] <= d:
                 b, gain = b + 1, gain + cost.follow_rate(cum[node])
                 deepest = max(deepest, depth[node])
-                if b in cost.BUDGETS:
+                if b in cost.BUDGETS and d <= b:  # b nodes are never deeper than b
                     expected[(b, d)] = (gain, deepest)
     gains = cost.tree_gains(tree, max_depth)
     assert gains.keys() == expected.keys()
