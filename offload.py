@@ -545,12 +545,7 @@ def from_pretrained(
         raise OffloadError(f"quantize must be None, 'int8' or 'int4', not {quantize!r}")
     ops = device  # the device's operations: Cpu, Cuda, or a test's fake
     if not isinstance(device, Cpu):
-        try:
-            device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        except (RuntimeError, TypeError) as err:
-            raise OffloadError(f"device {device!r}: {files.first_line(err)}") from None
-        if device.type != "cpu" and not (device.type == "cuda" and torch.cuda.is_available()):
-            raise OffloadError(f"offload runs on cpu or an available cuda device, not {device}")
+        device = files.as_device(device)
         ops = Cuda(device) if device.type == "cuda" else Cpu()
     folder = files.find_folder(str(name_or_path))
     config, generation = files.load_configs(folder)  # refuses what a tree pass cannot run
@@ -568,8 +563,9 @@ def from_pretrained(
     converted, n_layers = None, config.num_hidden_layers
     if mode == "ram":  # the arena, filled once the budget below is known to hold
         ram = storage = RamStorage(pack(quant.stored_layer(shapes, dtype, quantize)), n_layers, ops)
-    else:
-        storage, converted = open_disk(ckpt, shapes, n_layers, dtype, quantize, ops, offload_dir)
+    else:  # the checkpoint's own files where they fit, else a converted copy
+        layers, converted = files.disk_layers(ckpt, shapes, n_layers, dtype, quantize, offload_dir)
+        storage = DiskStorage(layers, ops)
     if quantize is not None:  # a slot also holds the layer's dequantized weights, laid out here
         weights = {n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes.items()}
         weights = pack({n: w for n, w in weights.items() if quant.is_weight(n)})
@@ -598,20 +594,3 @@ def from_pretrained(
     model = OffloadedCausalLM(hf, storage, buffers, ops, n_resident)
     model.converted_folder = converted
     return model
-
-
-def open_disk(
-    ckpt, shapes: dict, n_layers: int, dtype, kind, ops, offload_dir
-) -> tuple[DiskStorage, Path | None]:
-    """Storage on the checkpoint's files, or on a converted copy (then also its folder)."""
-    layers = [
-        {n: ckpt.entries.get(f"model.layers.{i}.{n}") for n in shapes} for i in range(n_layers)
-    ]
-    entries = [entry for layer in layers for entry in layer.values()]
-    # the checkpoint's own files will do if their tensors have the dtype and can be viewed in place
-    fits = all(e and e.dtype == dtype and e.start % dtype.itemsize == 0 for e in entries)
-    if fits and kind is None:
-        return DiskStorage(layers, ops), None
-    folder = files.convert(ckpt, shapes, n_layers, dtype, offload_dir, kind)
-    layer_files = [folder / f"layer_{i:03d}.safetensors" for i in range(n_layers)]
-    return DiskStorage([files.read_header(path) for path in layer_files], ops), folder

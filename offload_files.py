@@ -155,6 +155,18 @@ def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return found
 
 
+def as_device(device: torch.device | str | None) -> torch.device:
+    """A torch device from itself or its name (None: cuda if available, else cpu), one that
+    offload runs on: the cpu or an available cuda device."""
+    try:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError) as err:
+        raise OffloadError(f"device {device!r}: {first_line(err)}") from None
+    if device.type != "cpu" and not (device.type == "cuda" and torch.cuda.is_available()):
+        raise OffloadError(f"offload runs on cpu or an available cuda device, not {device}")
+    return device
+
+
 def check_dtype_runs(device: torch.device, dtype: torch.dtype) -> None:
     """Fail now, not mid-generation, if the device cannot run a matmul and softmax in `dtype`."""
     old_gpu = device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False)
@@ -432,7 +444,29 @@ def load_weights(ckpt: Checkpoint, model, device, dtype, generation, layers=True
     model.requires_grad_(False).eval()
 
 
-# ---- the converted copy: one safetensors file per layer ----
+# ---- the ssd tier's files: the checkpoint's own, or a converted copy with one file per layer ----
+
+
+def disk_layers(
+    ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, kind, offload_dir
+) -> tuple[list[dict[str, Entry]], Path | None]:
+    """Where the ssd tier reads each decoder layer's tensors (name -> Entry, a dict per layer):
+    the checkpoint's own safetensors where they hold `dtype`, unquantized, at offsets a view of
+    `dtype` can start at; else a converted copy, whose folder is returned too."""
+    layers = [
+        {n: ckpt.entries.get(f"model.layers.{i}.{n}") for n in shapes} for i in range(n_layers)
+    ]
+    entries = [entry for layer in layers for entry in layer.values()]
+    # the checkpoint's own files will do if their tensors have the dtype and can be viewed in place
+    fits = all(e and e.dtype == dtype and e.start % dtype.itemsize == 0 for e in entries)
+    if fits and kind is None:
+        return layers, None
+    folder = convert(ckpt, shapes, n_layers, dtype, offload_dir, kind)
+    return [read_header(path) for path in layer_files(folder, n_layers)], folder
+
+
+def layer_files(folder: Path, n_layers: int) -> list[Path]:
+    return [folder / f"layer_{i:03d}.safetensors" for i in range(n_layers)]
 
 
 def convert(ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, offload_dir, kind=None) -> Path:
@@ -454,7 +488,7 @@ def convert(ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, offload_dir, k
     folder = offload_dir / f"{ckpt.folder.name}-{ckpt.fingerprint()}-{label}"
     manifest = {"source": str(ckpt.folder.resolve()), "dtype": dtype_name, "layers": n_layers}
     manifest["quantize"] = kind
-    files = [folder / f"layer_{i:03d}.safetensors" for i in range(n_layers)]
+    files = layer_files(folder, n_layers)
     try:
         offload_dir.mkdir(parents=True, exist_ok=True)
         with locked(offload_dir):
