@@ -84,7 +84,7 @@ def parse_args(argv=None):
         "--draft",
         metavar="PATH_OR_ID",
         help="hub id or folder (default: the project's models/draft); or int8 / int4: the "
-        "target's own quantized copy, every layer kept on the device (quantize.self_draft; it "
+        "target's own quantized copy, every layer kept on the device (cli.self_draft; it "
         "holds the dequantized weights, so it saves no memory, on a CPU or a GPU)",
     )
     group.add_argument("--prompt", help="prompt text (default: a held-out prompt of the pair)")
@@ -362,6 +362,25 @@ def load_offloaded(folder, args, device, dtype, context):
     )
 
 
+def self_draft(target, kind, **options):
+    """The target's own int8 or int4 copy as SpecExec's draft (SubSpec, 2025): the same
+    tokenizer by construction and no second checkpoint. An offload.OffloadedCausalLM with every
+    layer resident (nothing streams); `target` a folder or hub id, `options` as
+    offload.from_pretrained's (device, dtype, context).
+
+    Each layer's buffer holds its weights dequantized into `dtype` beside the quantized bytes,
+    and the matmuls run on those (no int8 / int4 kernels here): it computes exactly the quantized
+    model, but holds more than the full model's bytes on the device, not a quarter of them.
+    """
+    import offload
+
+    if kind not in quantize.KINDS:
+        raise OffloadError(f"a self-draft is 'int8' or 'int4', not {kind!r}")
+    return offload.from_pretrained(
+        target, mode="ram", quantize=kind, device_memory=math.inf, **options
+    )
+
+
 # ---- output ----
 
 
@@ -413,8 +432,8 @@ def run(args):
     check_text(prompt)
     target_dir = find_model(args.target, "--target")
     # --draft int8 / int4: the target's own quantized copy, with its tokenizer by construction
-    self_draft = args.draft in quantize.KINDS
-    draft_dir = target_dir if self_draft else find_model(args.draft, "--draft")
+    own_copy = args.draft in quantize.KINDS
+    draft_dir = target_dir if own_copy else find_model(args.draft, "--draft")
     target_config, draft_config = load_config(target_dir), load_config(draft_dir)
     tokenizer = load_tokenizer(target_dir)
     check_same_tokenizer(tokenizer, load_tokenizer(draft_dir))
@@ -434,15 +453,13 @@ def run(args):
         target = load_model(target_dir, device, pick_dtype(args, device))
     draft = None
     try:
-        if self_draft:
-            draft = quantize.self_draft(
-                draft_dir, args.draft, device=device, dtype=pick_dtype(args, device)
-            )
+        if own_copy:
+            draft = self_draft(draft_dir, args.draft, device=device, dtype=pick_dtype(args, device))
         else:
             draft = load_model(draft_dir, device, pick_dtype(args, device))
         generate_and_report(target, draft, tokenizer, input_ids, args, opts, device)
     finally:
-        if self_draft and draft is not None:
+        if own_copy and draft is not None:
             draft.close()
         if args.offload:
             target.close()

@@ -18,7 +18,7 @@ only the others' bytes (UMbreLLa's resident layers).
 | layer i+1 loads while i runs | `StreamedLayers.__iter__`: prefetch, wait, compute, release   |
 | the device's few operations  | `Cuda` (streams, events) and `Cpu`; tests add a fake one      |
 | cost of one target pass      | `PassStats`: bytes moved, waiting vs computing, GB/s          |
-| int8 / int4 weights          | quantize.py: its `Dequantizing` storage wraps either of them  |
+| int8 / int4 weights          | `Dequantizing` around either storage; arithmetic: quantize.py |
 
 Storage (the bytes of each layer and where they are), state (which layer occupies which device
 slot) and config (the Hugging Face model: config, masks, rotary, the decoder layers' code) are
@@ -283,6 +283,38 @@ class DiskStorage(Storage):
         for fd in self.fds.values():
             os.close(fd)
         self.fds = {}
+
+
+class Dequantizing(Storage):
+    """Quantized layers (quantize.py), kept by the ram or ssd storage it wraps.
+
+    A slot holds the bytes that moved (`layouts`, what PassStats counts), then, from `start`, the
+    compute-dtype weights they are dequantized into on the copy stream: the layer's "ready" event
+    covers both, so compute waits for nothing new. Norms and biases move as they are.
+    """
+
+    def __init__(self, storage: Storage, shapes: dict, dtype: torch.dtype, kind: str):
+        self.storage, self.layouts, self.kind = storage, storage.layouts, kind
+        self.start = storage.slot_nbytes()  # a whole number of pages
+        weights = quant.stored_layer(shapes, dtype, None)  # meta tensors in the compute dtype
+        self.weights = pack({n: w for n, w in weights.items() if quant.is_weight(n)})
+
+    def slot_nbytes(self) -> int:
+        return self.start + self.weights.nbytes
+
+    def load(self, layer: int, slot: torch.Tensor, ops) -> None:
+        self.storage.load(layer, slot, ops)
+        weights = self.weights.views(slot[self.start :])
+        ops.convert(quant.dequantize_layer, self.layouts[layer].views(slot), weights, self.kind)
+
+    def views(self, layer: int, slot: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The decoder layer's parameters: norms and biases as moved, weights dequantized."""
+        moved = super().views(layer, slot)
+        kept = {name: t for name, t in moved.items() if not name.endswith((".q", ".scale"))}
+        return kept | self.weights.views(slot[self.start :])
+
+    def close(self) -> None:
+        self.storage.close()
 
 
 # ---- the ring: what is on the device right now ----
@@ -557,7 +589,7 @@ def from_pretrained(
     if dtype is None:
         dtype = ckpt.dtype
         files.check_dtype_runs(ops.device, dtype)
-    shapes = ckpt.check_layers(hf)  # what each decoder layer holds, the same for all
+    shapes = ckpt.check_layers(hf, quantize)  # what each decoder layer holds, the same for all
     files.load_weights(ckpt, hf, ops.device, dtype, generation, layers=False)
 
     converted, n_layers = None, config.num_hidden_layers
@@ -566,10 +598,8 @@ def from_pretrained(
     else:  # the checkpoint's own files where they fit, else a converted copy
         layers, converted = files.disk_layers(ckpt, shapes, n_layers, dtype, quantize, offload_dir)
         storage = DiskStorage(layers, ops)
-    if quantize is not None:  # a slot also holds the layer's dequantized weights, laid out here
-        weights = {n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes.items()}
-        weights = pack({n: w for n, w in weights.items() if quant.is_weight(n)})
-        storage = quant.Dequantizing(storage, weights, quantize)
+    if quantize is not None:  # a slot also holds the layer's dequantized weights
+        storage = Dequantizing(storage, shapes, dtype, quantize)
     n_resident = 0
     if device_memory is not None:  # on the device anyway: the parts above, and keys and values
         # of every layer for `context` tokens; then a layer's slot each for the ring and the

@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import quantize
+
 
 class OffloadError(ValueError):
     """Bad input to the offloader: a one-line message that says what and where."""
@@ -323,9 +325,10 @@ class Checkpoint:
         if (found := self.spec(name)[1]) != tuple(shape):
             raise OffloadError(f"{self.folder}: {name} has shape {found}, config wants {shape}")
 
-    def check_layers(self, model) -> dict[str, tuple[int, ...]]:
+    def check_layers(self, model, kind: str | None = None) -> dict[str, tuple[int, ...]]:
         """What a decoder layer of `model` (a meta skeleton) holds, name -> shape, once every
-        layer's tensors were found with those shapes; offload streams them from one slot."""
+        layer's tensors were found with those shapes and can be stored quantized as `kind` says
+        (int4: whole groups of inputs); offload streams them from one slot."""
         layers = getattr(getattr(model, "model", None), "layers", None)
         if not isinstance(layers, torch.nn.ModuleList):
             family = model.config.model_type
@@ -335,6 +338,10 @@ class Checkpoint:
         for i in range(len(layers)):
             for name, shape in shapes.items():
                 self.check(f"model.layers.{i}.{name}", shape)
+        try:  # quantize.py's arithmetic refuses with a ValueError; here it is a one-line error
+            quantize.stored_layer(shapes, torch.float32, kind)
+        except ValueError as err:
+            raise OffloadError(str(err)) from None
         return shapes
 
     def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -478,8 +485,6 @@ def convert(ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, offload_dir, k
     zeroed, files swapped) is written again. One run at a time writes into or checks a copy in
     offload_dir (a lock on it): a second run waits, then reuses what the first wrote.
     """
-    import quantize  # here: quantize.py imports this module's OffloadError
-
     if offload_dir is None:
         raise OffloadError(f"{ckpt.folder} needs a one-time conversion for ssd; pass offload_dir")
     offload_dir = Path(offload_dir).expanduser()  # "~/copies": in the home folder, not "./~"
@@ -495,7 +500,7 @@ def convert(ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, offload_dir, k
             damage = copy_damage(folder, manifest, files)
             if damage is None:
                 return folder  # converted by an earlier run
-            stored = quantize.stored_layer(shapes, dtype, kind)  # meta; fails now if it cannot be
+            stored = quantize.stored_layer(shapes, dtype, kind)  # meta: dtypes and shapes
             size = f"{len(files) * sum(t.nbytes for t in stored.values()) / 1e9:.2f} GB {label}"
             if damage:
                 say = f"the {size} copy in {folder} is damaged ({damage}); writing it again"
@@ -557,8 +562,6 @@ def sha256(path: Path) -> str:
 def write_copy(ckpt, shapes, dtype, kind, folder: Path, manifest: dict, files: list[Path]):
     """Convert every layer into its file, then write the manifest; on any failure remove them."""
     from safetensors.torch import save
-
-    import quantize
 
     sums = {}
     try:

@@ -43,6 +43,7 @@ from transformers import (
     SmolLM3Config,
 )
 
+import cli
 import offload
 import offload_files
 import quantize
@@ -890,14 +891,14 @@ def test_self_draft_is_the_quantized_target_kept_whole(float64_target, kind):
     """Its logits are the dequantized target's; nothing streams; a bad kind is one line."""
     folder, target = float64_target
     ids = torch.randint(97, (1, 7), generator=torch.Generator().manual_seed(9))
-    with quantize.self_draft(folder, kind, device="cpu") as draft:
+    with cli.self_draft(folder, kind, device="cpu") as draft:
         assert draft.dtype == torch.float64 and draft.stats.resident_layers == 4
         expected = dequantized(target, kind)(ids).logits
         torch.testing.assert_close(draft(ids).logits, expected, rtol=1e-12, atol=1e-12)
         assert draft.stats.bytes_moved == 0 and draft.ring.slots == []
     assert not torch.equal(expected, target(ids).logits)  # quantized: another model
     with pytest.raises(offload.OffloadError, match="a self-draft is 'int8' or 'int4', not 'fp8'"):
-        quantize.self_draft(folder, "fp8")
+        cli.self_draft(folder, "fp8")
 
 
 @pytest.mark.parametrize("kind", quantize.KINDS)
@@ -911,7 +912,7 @@ def test_specexec_with_a_self_draft_is_exact(float64_target, kind, sampled):
     prompt = torch.randint(97, (1, 6), generator=torch.Generator().manual_seed(4)).tolist()[0]
     options = dict(max_new_tokens=24, eos_token_id=[])
     options |= dict(temperature=0.6, top_p=0.9) if sampled else {}
-    with quantize.self_draft(folder, kind, device="cpu") as draft:
+    with cli.self_draft(folder, kind, device="cpu") as draft:
         for seed in range(2):
             expected, _ = specexec.autoregressive(target, prompt, seed=seed, **options)
             tokens, stats = specexec.generate(
@@ -1053,8 +1054,6 @@ def test_what_cannot_run_is_refused_in_one_line(tmp_path, config, message):
 def test_a_float64_mixture_runs_in_memory_and_offloaded(tmp_path):
     """transformers runs a mixture's experts with grouped_mm by default, which has no float64
     kernel; the CLI's loader and offload.py switch such a model to its eager experts."""
-    import cli
-
     save_model(tmp_path, CONFIGS["mixtral"](), dtype=torch.float64)
     oracle = AutoModelForCausalLM.from_pretrained(
         tmp_path, dtype=torch.float64, experts_implementation="eager"
@@ -1132,10 +1131,8 @@ def test_loading_errors_are_one_line(checkpoints, tmp_path, case, message):
 @pytest.mark.parametrize("mode", ["ram", "ssd"])
 def test_cli_runs_the_default_pair_offloaded(mode, tmp_path, capsys):
     """`python specexec.py --offload ...` streams the target and reports the pass's bytes."""
-    import specexec
-
     argv = ["--max-new-tokens", "12", "--offload", mode, "--offload-dir", str(tmp_path)]
-    specexec.main(argv + ["--compare"])
+    cli.main(argv + ["--compare"])
     out = capsys.readouterr().out
     assert f"offload ({mode}): 0 of 6 layers resident; the last target pass moved" in out
     assert "identical output" in out

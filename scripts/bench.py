@@ -20,7 +20,7 @@ layer are scaled to 32 layers and combined with each row's measured tokens per p
 time. The temporary model is deleted afterwards.
 
 --drafts replaces the table: SpecExec at each budget with three drafts of the same target, the
-distilled default draft and the target's own int8 and int4 copies (quantize.self_draft, every
+distilled default draft and the target's own int8 and int4 copies (cli.self_draft, every
 layer resident), greedy and sampled, each row checked against the target's own decoding.
 """
 
@@ -517,7 +517,7 @@ def compare_drafts(cfg, target, distilled, prompt_ids, eos, meters, device, dtyp
 
     drafts = {"distilled": (distilled, meters[1])}
     for kind in quantize.KINDS:
-        copy = quantize.self_draft(cfg.target, kind, device=device, dtype=dtype)
+        copy = cli.self_draft(cfg.target, kind, device=device, dtype=dtype)
         drafts[f"target's {kind} copy"] = copy, Meter(copy, device)
     rows = []
     for sampled in (False, True):
