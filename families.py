@@ -7,6 +7,7 @@ unsupported model is refused in one line by the in-memory and the offloaded path
 
 import copy
 import weakref
+from importlib.metadata import version
 
 import torch
 
@@ -16,6 +17,12 @@ from checks import SpecExecError
 class UnsupportedModel(SpecExecError):
     """A model whose layers a tree pass cannot run, reported to the user in one line."""
 
+
+# How a model is handed its KV cache: transformers 5.24 renamed the forward's `past_key_values`
+# to `cache` (the old name warns on stderr, and goes in 5.40). Every call passes `**{CACHE: c}`.
+CACHE = (
+    "cache" if [*map(int, version("transformers").split(".")[:2])] >= [5, 24] else "past_key_values"
+)
 
 _windows = weakref.WeakKeyDictionary()  # model -> attention_windows(model)
 
@@ -68,7 +75,7 @@ def listen_to_layers(config):
             model = AutoModelForCausalLM.from_config(config, experts_implementation="batched_mm")
             model.config._attn_implementation = "specexec_listen"
             one = torch.zeros(1, 1, dtype=torch.long)  # (1, 1)
-            model(one, attention_mask=given, position_ids=one, past_key_values=DynamicCache())
+            model(one, attention_mask=given, position_ids=one, **{CACHE: DynamicCache()})
     except UnsupportedModel:
         raise
     except Exception as error:  # what a family raises on meta tensors or a plain cache varies

@@ -64,7 +64,7 @@ from checks import (  # what a user hands in, each refused in one line (SpecExec
     stop_tokens,
 )
 from cost_model import CostModel  # budget "auto": the tree size with the most tokens/s
-from families import attention_windows  # how far back each layer of a model looks
+from families import CACHE, attention_windows  # the cache's keyword; each layer's reach
 
 # ---- config ----
 
@@ -473,7 +473,7 @@ def tree_forward(model, cache, tokens, parents):
         input_ids=input_ids,
         attention_mask=masks.get(None, masks),  # one for all layers, or a dict by layer type
         position_ids=positions,  # (1, n)
-        past_key_values=cache,
+        **{CACHE: cache},  # past_key_values= before transformers 5.24
         use_cache=True,
     )
     return out.logits[0]  # (n, vocab)

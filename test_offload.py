@@ -47,6 +47,7 @@ import cli
 import offload
 import offload_files
 import quantize
+from families import CACHE
 
 torch.set_num_threads(1)  # tiny models; leave the other core alone
 
@@ -211,9 +212,9 @@ def test_logits_match_in_memory_model(
         prompt = torch.randint(97, (1, 9), generator=generator)  # (1, 9)
 
         def both(input_ids, **kwargs):
-            ours = model(input_ids, past_key_values=caches[0], use_cache=True, **kwargs).logits
+            ours = model(input_ids, **{CACHE: caches[0]}, use_cache=True, **kwargs).logits
             with torch.no_grad():
-                theirs = oracle(input_ids, past_key_values=caches[1], use_cache=True, **kwargs)
+                theirs = oracle(input_ids, **{CACHE: caches[1]}, use_cache=True, **kwargs)
             torch.testing.assert_close(ours, theirs.logits, rtol=1e-5, atol=1e-5)
 
         both(prompt)  # prefill with the models' own causal mask
@@ -289,18 +290,18 @@ def test_tree_mask_is_used_as_given(checkpoints, attention):
         set_attention(model, attention)
         prompt = torch.randint(97, (1, 5), generator=torch.Generator().manual_seed(2))
         prefix = DynamicCache(config=model.config)
-        model(prompt, past_key_values=prefix)
+        model(prompt, **{CACHE: prefix})
         tree = torch.randint(97, (1, len(PARENTS)), generator=torch.Generator().manual_seed(3))
         mask, positions = tree_mask(PARENTS, n_cached=5)
         tree_logits = model(
-            tree, attention_mask=mask, position_ids=positions, past_key_values=copy.deepcopy(prefix)
+            tree, attention_mask=mask, position_ids=positions, **{CACHE: copy.deepcopy(prefix)}
         ).logits  # (1, q, vocab)
         for node in range(len(PARENTS)):
             path = [node]
             while PARENTS[path[-1]] >= 0:
                 path.append(PARENTS[path[-1]])
             path_ids = tree[:, path[::-1]]  # root ... node, causal after the prefix
-            alone = model(path_ids, past_key_values=copy.deepcopy(prefix)).logits[:, -1]
+            alone = model(path_ids, **{CACHE: copy.deepcopy(prefix)}).logits[:, -1]
             torch.testing.assert_close(tree_logits[:, node], alone, rtol=1e-5, atol=1e-5)
 
 
@@ -706,14 +707,14 @@ def test_ring_ordering_on_a_fake_device(
 
         hook = model.layers[fail_at].register_forward_pre_hook(fail_once)
         with pytest.raises(RuntimeError, match="out of memory"):
-            model(torch.randint(97, (1, 4)), past_key_values=DynamicCache(config=model.config))
+            model(torch.randint(97, (1, 4)), **{CACHE: DynamicCache(config=model.config)})
     fake.host_waits = 0
     with model:
         caches = [DynamicCache(config=model.config), DynamicCache(config=oracle.config)]
         for n in (5, 1, 3):
             ids = torch.randint(97, (1, n), generator=torch.Generator().manual_seed(seed + n))
-            ours = model(ids, past_key_values=caches[0]).logits
-            theirs = oracle(ids, past_key_values=caches[1]).logits
+            ours = model(ids, **{CACHE: caches[0]}).logits
+            theirs = oracle(ids, **{CACHE: caches[1]}).logits
             torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
     assert fake.errors == []
     if mode == "ram":  # the host blocked once per pass, at its end, never per layer
@@ -942,9 +943,9 @@ def test_cuda_logits_match_resident_model(tmp_path, dtype, mode, buffers):
         caches = [DynamicCache(config=model.config), DynamicCache(config=oracle.config)]
         for n in (9, 1, 4):
             ids = torch.randint(97, (1, n), device="cuda")
-            ours = model(ids, past_key_values=caches[0]).logits
+            ours = model(ids, **{CACHE: caches[0]}).logits
             with torch.no_grad():
-                theirs = oracle(ids, past_key_values=caches[1]).logits
+                theirs = oracle(ids, **{CACHE: caches[1]}).logits
             torch.testing.assert_close(ours, theirs)  # the dtype's own tolerances
 
 

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 import specexec
 from cost_model import CostModel, running_mean
-from families import UnsupportedModel
+from families import CACHE, UnsupportedModel
 from specexec import SpecExecError
 
 HERE = Path(__file__).resolve().parent
@@ -1072,7 +1072,7 @@ def test_a_window_the_attention_does_not_apply_changes_nothing(window):
         ids = torch.tensor([prompt])  # (1, 10)
         theirs = target.generate(
             ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=30,
-            eos_token_id=None, past_key_values=DynamicCache(),
+            eos_token_id=None, **{CACHE: DynamicCache()},
         )[0, 10:].tolist()  # fmt: skip
     assert tokens == seq[10:] == theirs
 
@@ -1132,8 +1132,8 @@ def test_sliding_layers_of_a_config_built_cache_drop_old_entries():
     ids = torch.arange(30)[None]  # (1, 30): longer than the window of 24
     with torch.no_grad():
         trimmed, plain = DynamicCache(config=target.config), DynamicCache()
-        target(ids, past_key_values=trimmed)
-        target(ids, past_key_values=plain)
+        target(ids, **{CACHE: trimmed})
+        target(ids, **{CACHE: plain})
     assert trimmed.layers[0].keys.shape[-2] == 23 and trimmed.get_seq_length() == 30
     assert plain.layers[0].keys.shape[-2] == 30
 
@@ -1152,7 +1152,7 @@ def test_real_shapes_kept_caches_equal_a_fresh_forward(name):
             assert run.target_cache.get_seq_length() == len(seq) - 1
         for model, cache in ((target, run.target_cache), (draft, run.draft_cache)):
             trunk = torch.tensor([seq[cache.get_seq_length() :]])  # (1, n_trunk)
-            logits = model(trunk, past_key_values=cache).logits[0, -1]  # (vocab,)
+            logits = model(trunk, **{CACHE: cache}).logits[0, -1]  # (vocab,)
             torch.testing.assert_close(logits, fresh_logits(model, seq), **tolerance(model))
 
 

@@ -30,6 +30,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 import offload
 import offload_files
+from families import CACHE
 from scripts.bench import cpu_name
 
 
@@ -186,7 +187,7 @@ def one_pass(model, n_tokens: int, device: str = "cpu") -> float:
     cache = DynamicCache(config=model.config)
     started = time.perf_counter()
     with torch.no_grad():
-        model(input_ids, past_key_values=cache, use_cache=True)
+        model(input_ids, **{CACHE: cache}, use_cache=True)
     return time.perf_counter() - started
 
 
