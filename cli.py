@@ -22,7 +22,7 @@ try:  # torch takes seconds to import: Ctrl-C meanwhile exits as it does later, 
     import quantize
     from checks import SpecExecError, check_draft_vocab, check_prompt, context_length
     from cost_model import CostModel
-    from offload_files import OffloadError, one_line, open_checkpoint
+    from offload_files import OffloadError, find_folder, one_line, open_checkpoint
     from specexec import Options, autoregressive, generate
 except KeyboardInterrupt:
     sys.exit(130)
@@ -169,7 +169,7 @@ def pick_device(name):
     try:
         device = torch.device(name)
     except RuntimeError as error:
-        raise SpecExecError(f"--device {name}: {str(error).splitlines()[0]}") from None
+        raise SpecExecError(f"--device {name}: {one_line(error)}") from None
     if device.type == "cpu":
         return device
     backend = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu
@@ -181,62 +181,13 @@ def pick_device(name):
 
 
 def find_model(name, flag):
-    """A local model folder: the folder given, or a hub id's snapshot (cached or downloaded).
-    None: the project's own (models/target or models/draft); '' is no name, not the default."""
+    """The model folder of --target or --draft (offload_files.find_folder); None: the project's
+    own (models/target or models/draft); '' is no name, not the default."""
     if name is None:
         name = str(HERE / "models" / flag.removeprefix("--"))
     if not name.strip():
         raise SpecExecError(f"{flag} is empty: pass a model folder or a hub id")
-    path = Path(name).expanduser()
-    if path.is_dir():
-        if not os.access(path, os.R_OK | os.X_OK):
-            raise SpecExecError(f"{name}: cannot read this folder (permission denied)")
-        if not (path / "config.json").is_file():
-            raise SpecExecError(f"{name}: no config.json in this folder")
-        return path
-    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise SpecExecError(f"{name}: no such model folder")
-    from huggingface_hub import constants, snapshot_download
-
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt"]  # config, weights, tokenizer
-    try:
-        return Path(snapshot_download(name, allow_patterns=patterns, local_files_only=True))
-    except (OSError, ValueError):
-        pass  # not in the cache
-    # The hub client retries a dead network for half a minute; one quick look decides instead.
-    offline = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else unreachable()
-    if offline:
-        raise SpecExecError(
-            f"{name}: no such folder, not in the Hugging Face cache, and {offline}; "
-            "pass a local model folder (or download it once online; HF_HUB_OFFLINE=1 then "
-            "uses the cache only)"
-        )
-    try:
-        folder = Path(snapshot_download(name, allow_patterns=patterns))
-        if not any(folder.glob("*.safetensors")):  # .bin only where a repo has no safetensors
-            folder = Path(snapshot_download(name, allow_patterns=[*patterns, "*.bin"]))
-    except (OSError, ValueError) as error:
-        raise SpecExecError(f"{name}: cannot download it ({one_line(error)})") from None
-    return folder
-
-
-def unreachable():
-    """Why the hub cannot be reached, or None."""
-    import socket
-    import urllib.request
-    from urllib.parse import urlsplit
-
-    from huggingface_hub import constants
-
-    url = urlsplit(constants.ENDPOINT)
-    if url.scheme in urllib.request.getproxies():
-        return None  # the client goes through a proxy; let it try
-    try:
-        port = url.port or (443 if url.scheme == "https" else 80)
-        socket.create_connection((url.hostname, port), timeout=5).close()
-    except OSError as error:
-        return f"{url.hostname} cannot be reached ({error.strerror or error})"
-    return None
+    return find_folder(name)
 
 
 def load_config(folder):

@@ -56,12 +56,9 @@ def pread_into(fd: int, buffer: torch.Tensor, file_offset: int, path: Path, need
         done += got
 
 
-def first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
-
-
 def one_line(err: BaseException) -> str:
-    """The whole message on one line (transformers puts the reason on a second one)."""
+    """An exception's message on one line, for an error of ours to quote: all of it (transformers
+    puts the reason on a second line), cut at 300 characters; its type where it has none."""
     return " ".join(str(err).split())[:300] or type(err).__name__
 
 
@@ -77,20 +74,60 @@ def open_direct(path: Path) -> int:
         return os.open(path, os.O_RDONLY)
 
 
-def find_folder(name_or_path: str) -> Path:
-    if Path(name_or_path).expanduser().is_dir():
-        return Path(name_or_path).expanduser()
-    from huggingface_hub import snapshot_download
+def find_folder(name: str) -> Path:
+    """A local model folder: the folder given, or a hub id's snapshot (cached, else downloaded:
+    config, tokenizer and weights, .bin only where a repo has no safetensors). The one finder of
+    the CLI's models and the offloader's; what it cannot find is one line naming `name`."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise OffloadError(f"{name}: cannot read this folder (permission denied)")
+        if not (path / "config.json").is_file():
+            raise OffloadError(f"{name}: no config.json in this folder")
+        return path
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise OffloadError(f"{name}: no such model folder")
+    from huggingface_hub import constants, snapshot_download
 
-    try:  # safetensors where the repo has them, .bin only where it has not
-        folder = Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors"]))
-        if not any(folder.glob("*.safetensors")):
-            folder = Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.bin"]))
-    except Exception as err:  # what the hub raises varies with the failure and the version
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt"]  # config, weights, tokenizer
+    try:
+        return Path(snapshot_download(name, allow_patterns=patterns, local_files_only=True))
+    except (OSError, ValueError):
+        pass  # not in the cache
+    # The hub client retries a dead network for half a minute; one quick look decides instead.
+    offline = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else unreachable()
+    if offline:
         raise OffloadError(
-            f"{name_or_path} is no folder and no reachable hub id: {first_line(err)}"
-        ) from None
+            f"{name}: no such folder, not in the Hugging Face cache, and {offline}; "
+            "pass a local model folder (or download it once online; HF_HUB_OFFLINE=1 then "
+            "uses the cache only)"
+        )
+    try:
+        folder = Path(snapshot_download(name, allow_patterns=patterns))
+        if not any(folder.glob("*.safetensors")):
+            folder = Path(snapshot_download(name, allow_patterns=[*patterns, "*.bin"]))
+    except Exception as err:  # what the hub raises varies with the failure and the version
+        raise OffloadError(f"{name}: cannot download it ({one_line(err)})") from None
     return folder
+
+
+def unreachable() -> str | None:
+    """Why the hub cannot be reached, or None."""
+    import socket
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    url = urlsplit(constants.ENDPOINT)
+    if url.scheme in urllib.request.getproxies():
+        return None  # the client goes through a proxy; let it try
+    try:
+        port = url.port or (443 if url.scheme == "https" else 80)
+        socket.create_connection((url.hostname, port), timeout=5).close()
+    except OSError as err:
+        return f"{url.hostname} cannot be reached ({err.strerror or err})"
+    return None
 
 
 def load_configs(folder: Path):
@@ -163,7 +200,7 @@ def as_device(device: torch.device | str | None) -> torch.device:
     try:
         device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     except (RuntimeError, TypeError) as err:
-        raise OffloadError(f"device {device!r}: {first_line(err)}") from None
+        raise OffloadError(f"device {device!r}: {one_line(err)}") from None
     if device.type != "cpu" and not (device.type == "cuda" and torch.cuda.is_available()):
         raise OffloadError(f"offload runs on cpu or an available cuda device, not {device}")
     return device
@@ -178,7 +215,7 @@ def check_dtype_runs(device: torch.device, dtype: torch.dtype) -> None:
         x = torch.ones(2, 8, dtype=dtype, device=device)  # (2, 8)
         torch.softmax(x @ x.T, dim=-1)
     except (RuntimeError, NotImplementedError, TypeError) as err:
-        reason = first_line(err)
+        reason = one_line(err)
         raise OffloadError(f"{device} cannot run {dtype} ({reason}); pass another dtype") from None
 
 
@@ -250,7 +287,7 @@ class Checkpoint:
                 try:  # mmap: bytes are paged in as tensors are touched, never the whole shard
                     self.mapped.update(torch.load(shard, mmap=True, weights_only=True))
                 except RuntimeError as err:
-                    reason = str(err).splitlines()[0]
+                    reason = one_line(err)
                     raise OffloadError(f"corrupt checkpoint shard {shard}: {reason}") from None
             if self.shards:
                 return

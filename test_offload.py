@@ -1086,7 +1086,7 @@ def test_dtype_as_a_string(checkpoints, dtype):
     [
         ("dtype", "dtype 'float33' is no torch dtype"),
         ("config", "cannot load its config"),
-        ("no folder", "is no folder and no reachable hub id"),
+        ("no folder", "not/a/folder: no such model folder"),  # the CLI's words: one finder
         ("device", "offload runs on cpu or an available cuda device, not meta"),
         ("device name", "device 'foo': "),
         ("buffers", "buffers must be an integer of at least 1, not 1.5"),
@@ -1119,7 +1119,7 @@ def test_loading_errors_are_one_line(checkpoints, tmp_path, case, message):
         (tmp_path / damaged).write_text("{not json")
         folder = tmp_path
     if case == "no folder":
-        folder = tmp_path / "not" / "a" / "folder"  # nor a valid hub id: no network needed
+        folder = tmp_path / "not" / "a" / "folder"  # a path, no hub id: no network needed
     with pytest.raises(offload.OffloadError, match=message) as caught:
         offload.from_pretrained(folder, **options)
     assert "\n" not in str(caught.value)
