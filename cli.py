@@ -20,7 +20,7 @@ try:  # torch takes seconds to import: Ctrl-C meanwhile exits as it does later, 
     import torch
 
     import quantize
-    from checks import SpecExecError, check_draft_vocab, check_prompt, context_length
+    from checks import SpecExecError, check_draft_vocab, check_prompt, context_length, stop_tokens
     from cost_model import CostModel
     from offload_files import OffloadError, find_folder, one_line, open_checkpoint
     from specexec import Options, autoregressive, generate
@@ -426,10 +426,7 @@ def pick_dtype(args, device):
 
 
 def generate_and_report(target, draft, tokenizer, input_ids, args, opts, device):
-    # Stop at any EOS the tokenizer or the model's generation config names.
-    config_eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
-    eos = {tokenizer.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos])}
-    eos.discard(None)
+    eos = stop_tokens(None, target, tokenizer)  # any EOS the model's config or tokenizer names
     options = {f.name: getattr(opts, f.name) for f in fields(Options)}
     if options["seed"] is None:  # one seed for both runs, so --compare can match them
         options["seed"] = torch.seed()

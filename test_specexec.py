@@ -681,6 +681,9 @@ def test_eos_defaults_to_the_targets_generation_config():
     ):
         assert decode(max_new_tokens=30)[0] == full[: full.index(eos) + 1]
         assert decode(max_new_tokens=30, eos_token_id=[])[0] == full
+    # the CLI's rule: the tokenizer's EOS stops too, beside the generation config's
+    tokenizer = types.SimpleNamespace(eos_token_id=5)
+    assert specexec.stop_tokens(None, target, tokenizer) == {eos, 63, 5}
 
 
 def test_eos_token_id_takes_integer_likes_and_refuses_the_rest():
