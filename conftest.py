@@ -12,7 +12,7 @@ import functools
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-SIZES = dict(
+SIZES = dict(  # of every tiny model here (train_pair.TARGET_SHAPE: alike in shape only)
     hidden_size=32,
     intermediate_size=64,
     num_attention_heads=4,
