@@ -420,6 +420,54 @@ def test_cost_model_grows_trees_once_two_sizes_are_measured_and_deepens_to_the_n
     assert cost.choose() == (4, 4)
 
 
+@settings(max_examples=40, **SETTINGS)
+@given(
+    parents=random_parents(max_nodes=60),
+    max_depth=st.sampled_from([1, 3, 8, 16]),
+    data=st.data(),
+)
+def test_tree_gains_are_a_plain_walk_over_the_best_nodes(parents, max_depth, data):
+    """Oracle: for each depth d, walk the nodes no deeper than d best first (DraftTree.rank),
+    adding each one's follow_rate; at each b in BUDGETS note the sum and the deepest node."""
+    steps = st.sampled_from([0.0, -0.5, -1.0, -0.3, -2.25])  # ties, and bins' edges
+    logprobs = data.draw(st.lists(steps, min_size=len(parents), max_size=len(parents)))
+    cum, depth = [0.0], [0]
+    for parent, logprob in zip(parents, logprobs):  # node i + 1's parent is node parent + 1
+        cum.append(cum[parent + 1] + logprob)
+        depth.append(depth[parent + 1] + 1)
+    tree = specexec.DraftTree(
+        list(range(len(cum))), [-1] + [p + 1 for p in parents], cum, depth, budget=len(parents)
+    )
+    cost = CostModel(max_depth=max_depth)
+    cost.seen = data.draw(st.lists(st.integers(0, 9), min_size=40, max_size=40))
+    cost.followed = [data.draw(st.integers(0, seen)) for seen in cost.seen]
+    expected = {}
+    for d in (d for d in cost.DEPTHS if d <= max_depth):
+        gain, deepest, b = 1.0, 0, 0
+        for node in sorted(range(1, len(cum)), key=tree.rank):
+            if depth[node] <= d:
+                b, gain = b + 1, gain + cost.follow_rate(cum[node])
+                deepest = max(deepest, depth[node])
+                if b in cost.BUDGETS:
+                    expected[(b, d)] = (gain, deepest)
+    gains = cost.tree_gains(tree, max_depth)
+    assert gains.keys() == expected.keys()
+    for key, (gain, deepest) in expected.items():
+        assert gains[key] == (pytest.approx(gain, rel=1e-12), deepest)
+
+
+def test_cost_model_measures_a_second_size_with_a_small_tree_unless_the_target_streams():
+    """One size measured (the prompt's pass): where that pass outlasts STREAMED draft passes the
+    target streams its weights and the first tree stays; otherwise a small tree probes."""
+    cost = CostModel(max_depth=16, target_s={200: 1.0}, draft_s=0.001, largest=32, steps=1)
+    cost.gains = cost.tree_gains(chain_tree(32, logprob=-0.001), max_depth=16)
+    assert cost.choose() == (16, 16)  # the chain's most tokens at equal cost, as deep as it goes
+    cost.draft_s = 2.0 / cost.STREAMED  # a draft pass is a 50th of the target's
+    assert cost.choose() == (cost.PROBE, cost.PROBE)
+    cost.target_s[5] = 0.1  # the probe drew the line: choose by the rates again
+    assert cost.choose() != (cost.PROBE, cost.PROBE)
+
+
 def observe(cost, choice, n_fed, draft_s, target_s, passes, tree, kept, path):
     """A step of `choice` that took draft_s + target_s seconds, as speculative_step reports it."""
     after = specexec.Stats(draft_passes=passes, time_draft=draft_s, time_target=target_s)

@@ -129,26 +129,34 @@ class Row:
         return [100 * s / self.seconds for s in (self.draft_s, self.target_s, self.other_s)]
 
 
-def measure(row, decode, prompt_ids, meters, progress):
-    """Run `decode(i, ids) -> (new tokens, tokens fed to the target)` on every prompt; say so
-    on stderr with `progress` ("row k of n")."""
+def measure(row, decode, i, ids, meters):
+    """Run `decode(i, ids) -> (new tokens, tokens fed to the target)` on prompt i; add it up."""
     target_meter, draft_meter = meters
+    target_meter.reset()
+    draft_meter.reset()
+    start = time.perf_counter()
+    tokens, verified = decode(i, ids)
+    row.seconds += time.perf_counter() - start
+    row.outputs.append(tokens)
+    row.tokens += len(tokens)
+    row.verified += verified
+    row.target_passes += target_meter.passes
+    row.draft_passes += draft_meter.passes
+    row.target_s += target_meter.seconds
+    row.draft_s += draft_meter.seconds
+
+
+def measure_interleaved(methods, prompt_ids, progress):
+    """Each (row, decode, meters) on every prompt, prompt by prompt: a busy moment of the
+    machine hits every row alike, not the rows that happened to run then. Says how far it got
+    on stderr."""
     for i, ids in enumerate(prompt_ids):
-        target_meter.reset()
-        draft_meter.reset()
-        start = time.perf_counter()
-        tokens, verified = decode(i, ids)
-        row.seconds += time.perf_counter() - start
-        row.outputs.append(tokens)
-        row.tokens += len(tokens)
-        row.verified += verified
-        row.target_passes += target_meter.passes
-        row.draft_passes += draft_meter.passes
-        row.target_s += target_meter.seconds
-        row.draft_s += draft_meter.seconds
-    print(f"bench [{progress}]: {row.setting}, {row.label()}: {row.seconds:.1f} s",
-          file=sys.stderr)  # fmt: skip
-    return row
+        started = time.perf_counter()
+        for row, decode, meters in methods:
+            measure(row, decode, i, ids, meters)
+        print(f"bench [{progress}]: prompt {i + 1} of {len(prompt_ids)}, every row: "
+              f"{time.perf_counter() - started:.1f} s", file=sys.stderr)  # fmt: skip
+    return [row for row, _, _ in methods]
 
 
 def table_rows(cfg, target, hf_target, draft, prompt_ids, eos, meters, sampled):
@@ -192,20 +200,18 @@ def table_rows(cfg, target, hf_target, draft, prompt_ids, eos, meters, sampled):
     budgets = [b if b == "auto" else int(b) for b in cfg.budgets.split(",")]
     chain = speculative(cfg.max_depth, width=1, branch=1)
     methods = [
-        (Row(setting, "autoregressive"), autoregressive, None),
-        (Row(setting, "HF assisted generation"), assisted, None),
-        (Row(setting, f"chain of {cfg.max_depth}, this project's code"), chain, None),
+        (Row(setting, "autoregressive"), autoregressive, meters),
+        (Row(setting, "HF assisted generation"), assisted, meters),
+        (Row(setting, f"chain of {cfg.max_depth}, this project's code"), chain, meters),
     ]
+    chosen = []  # budget auto: each step's (budget, depth)
     for budget in budgets:
-        chosen = []  # budget auto: each step's (budget, depth)
-        methods.append((Row(setting, "SpecExec", budget), speculative(budget, chosen), chosen))
-    rows, first = [], len(methods) * sampled + 1
-    for k, (row, run, chosen) in enumerate(methods):
-        progress = f"row {first + k} of {2 * len(methods)}"
-        rows.append(measure(row, run, prompt_ids, meters, progress))
-        if chosen:
-            (b, depth), n = Counter(chosen).most_common(1)[0]
-            row.choices = f"budget {b}, depth {depth} in {n} of {len(chosen)} steps"
+        decode = speculative(budget, chosen if budget == "auto" else None)
+        methods.append((Row(setting, "SpecExec", budget), decode, meters))
+    rows = measure_interleaved(methods, prompt_ids, f"{setting}, table {1 + sampled} of 2")
+    for row in (row for row in rows if row.budget == "auto"):
+        (b, depth), n = Counter(chosen).most_common(1)[0]
+        row.choices = f"budget {b}, depth {depth} in {n} of {len(chosen)} steps"
     # exactness: against the autoregressive row, the target's own greedy decoding or sample
     for row in rows[1:]:
         row.exact = "yes" if row.outputs == rows[0].outputs else "NO"
@@ -508,19 +514,19 @@ def compare_drafts(cfg, target, distilled, prompt_ids, eos, meters, device, dtyp
         def plain(i, ids):
             return specexec.autoregressive(target, ids, seed=cfg.seed + i, **ours)[0], 0
 
-        reference = measure(Row(setting, "autoregressive"), plain, prompt_ids, meters)
+        methods = [(Row(setting, "autoregressive"), plain, meters)]
         for name, (draft, meter) in drafts.items():
-            for budget in [int(b) for b in cfg.budgets.split(",")]:
+            for budget in [b if b == "auto" else int(b) for b in cfg.budgets.split(",")]:
 
-                def speculative(i, ids):
+                def speculative(i, ids, draft=draft, budget=budget):
                     options = dict(budget=budget, max_depth=cfg.max_depth, seed=cfg.seed + i)
                     return specexec.generate(target, draft, ids, **ours, **options)[0], 0
 
-                row = measure(
-                    Row(setting, name, budget), speculative, prompt_ids, (meters[0], meter)
-                )
-                row.exact = "yes" if row.outputs == reference.outputs else "NO"
-                rows.append(row)
+                methods.append((Row(setting, name, budget), speculative, (meters[0], meter)))
+        reference, *mine = measure_interleaved(methods, prompt_ids, setting)
+        for row in mine:
+            row.exact = "yes" if row.outputs == reference.outputs else "NO"
+        rows += mine
     for name, (draft, _) in drafts.items():
         if name != "distilled":
             draft.close()

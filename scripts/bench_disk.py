@@ -31,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -187,7 +187,7 @@ class Row:
     fed: int = 0  # tokens fed to the target after the prompts: roots and trees
     seconds: float = 0.0
     target_s: float = 0.0
-    choices: str = ""  # budget auto: the (budget, depth) it chose most, and how often
+    chosen: list = field(default_factory=list)  # budget auto: each step's (budget, depth)
 
     label = property(lambda self: f"SpecExec, budget {self.budget}" if self.budget else "plain")
     rate = property(lambda self: self.tokens / self.seconds)
@@ -196,29 +196,41 @@ class Row:
     pass_s = property(lambda self: self.target_s / self.steps)
     other_s = property(lambda self: (self.seconds - self.target_s) / self.steps)  # per step
 
+    @property
+    def choices(self):
+        """Budget auto: the (budget, depth) it chose most, and how often."""
+        (budget, depth), n = Counter(self.chosen).most_common(1)[0]
+        return f"budget {budget}, depth {depth}; in {n} of {len(self.chosen)} steps"
 
-def measure(budget, target, draft, prompt_ids, cfg, eos):
+
+def measure(row, target, draft, ids, cfg, eos):
+    """Decode one prompt as `row` says (plain, or SpecExec at its budget); add it to the row."""
     import specexec
 
-    row, all_choices = Row(budget, []), []
-    for ids in prompt_ids:
-        options = dict(max_new_tokens=cfg.tokens, eos_token_id=eos)
-        if budget is None:
-            tokens, stats = specexec.autoregressive(target, ids, **options)
-        else:
-            tokens, stats = specexec.generate(target, draft, ids, budget=budget, **options)
-        row.outputs.append(tokens)
-        row.tokens += stats.new_tokens
-        row.steps += stats.steps
-        row.fed += stats.steps + sum(stats.tree_sizes)
-        row.seconds += stats.time_total
-        row.target_s += stats.time_target
-        all_choices += stats.choices
-    if budget == "auto":
-        (b, depth), n = Counter(all_choices).most_common(1)[0]
-        row.choices = f"budget {b}, depth {depth}; in {n} of {len(all_choices)} steps"
-    print(f"bench_disk: {row.label}: {row.seconds:.0f} s", file=sys.stderr, flush=True)
-    return row
+    options = dict(max_new_tokens=cfg.tokens, eos_token_id=eos)
+    if row.budget is None:
+        tokens, stats = specexec.autoregressive(target, ids, **options)
+    else:
+        tokens, stats = specexec.generate(target, draft, ids, budget=row.budget, **options)
+    row.outputs.append(tokens)
+    row.tokens += stats.new_tokens
+    row.steps += stats.steps
+    row.fed += stats.steps + sum(stats.tree_sizes)
+    row.seconds += stats.time_total
+    row.target_s += stats.time_target
+    row.chosen += stats.choices
+
+
+def measure_interleaved(rows, target, draft, prompt_ids, cfg, eos):
+    """Every row on every prompt, prompt by prompt: the disk's speed drifts during a run (a
+    shared virtual disk), and interleaved rows all see the same drift."""
+    for i, ids in enumerate(prompt_ids):
+        started = time.perf_counter()
+        for row in rows:
+            measure(row, target, draft, ids, cfg, eos)
+        print(f"bench_disk: prompt {i + 1} of {len(prompt_ids)}, every row: "
+              f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+    return rows
 
 
 def projected_rate(row, read_s, compute):
@@ -256,8 +268,9 @@ def run(cfg, folder):
     print(f"{len(prompt_ids)} held-out prompts x {cfg.tokens} new tokens, greedy; target "
           f"offloaded (ssd, float32, cpu), draft {cfg.draft} in memory (float32)\n")  # fmt: skip
     with target, torch.no_grad():
-        measure(16, target, draft, [prompt_ids[0][:32]], DiskBenchConfig(tokens=4), eos)  # warm
-        rows = [measure(b, target, draft, prompt_ids, cfg, eos) for b in [None, *budgets]]
+        measure(Row(16, []), target, draft, prompt_ids[0][:32], DiskBenchConfig(tokens=4), eos)
+        rows = [Row(budget, []) for budget in [None, *budgets]]  # plain decoding first
+        measure_interleaved(rows, target, draft, prompt_ids, cfg, eos)
         read_after, _ = raw_read_s(target)  # the disk's speed moves on a shared machine
 
     # the compute with no reading: the same model held in memory, one pass per tree size
