@@ -94,14 +94,23 @@ def prompt_tokens(input_ids, limit, **models):
     return seq
 
 
-def stop_tokens(eos_token_id, model):
+def stop_tokens(eos_token_id, model, tokenizer=None):
     """Token ids to stop after: those given (an integer, numpy's and tensors' too, or a list of
-    them), else the model's generation config's. `eos_token_id=[]` never stops early."""
+    them), else every EOS the model's generation config names and, given a tokenizer (the CLI
+    does), its own. `eos_token_id=[]` never stops early."""
     if eos_token_id is None:
-        eos_token_id = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = eos_token_id.tolist() if hasattr(eos_token_id, "tolist") else eos_token_id  # tensors
-    ids = ids if isinstance(ids, (list, tuple, set, frozenset)) else [] if ids is None else [ids]
+        config = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos_token_id = token_ids(config) + token_ids(getattr(tokenizer, "eos_token_id", None))
+    ids = token_ids(eos_token_id)
     for token in ids:  # a string is no list of ids, nor True the id 1
         if isinstance(token, bool) or not isinstance(token, numbers.Integral):
             raise SpecExecError(f"eos_token_id must be token ids (integers), got {token!r}")
     return {int(token) for token in ids}
+
+
+def token_ids(ids):
+    """None, one id, or a list, tuple, set or tensor of them: a list."""
+    ids = ids.tolist() if hasattr(ids, "tolist") else ids  # tensors and numpy's
+    if ids is None:
+        return []
+    return list(ids) if isinstance(ids, (list, tuple, set, frozenset)) else [ids]

@@ -20,9 +20,9 @@ try:  # torch takes seconds to import: Ctrl-C meanwhile exits as it does later, 
     import torch
 
     import quantize
-    from checks import SpecExecError, check_draft_vocab, check_prompt, context_length
+    from checks import SpecExecError, check_draft_vocab, check_prompt, context_length, stop_tokens
     from cost_model import CostModel
-    from offload_files import OffloadError, one_line, open_checkpoint
+    from offload_files import OffloadError, find_folder, one_line, open_checkpoint
     from specexec import Options, autoregressive, generate
 except KeyboardInterrupt:
     sys.exit(130)
@@ -84,7 +84,7 @@ def parse_args(argv=None):
         "--draft",
         metavar="PATH_OR_ID",
         help="hub id or folder (default: the project's models/draft); or int8 / int4: the "
-        "target's own quantized copy, every layer kept on the device (quantize.self_draft; it "
+        "target's own quantized copy, every layer kept on the device (cli.self_draft; it "
         "holds the dequantized weights, so it saves no memory, on a CPU or a GPU)",
     )
     group.add_argument("--prompt", help="prompt text (default: a held-out prompt of the pair)")
@@ -169,7 +169,7 @@ def pick_device(name):
     try:
         device = torch.device(name)
     except RuntimeError as error:
-        raise SpecExecError(f"--device {name}: {str(error).splitlines()[0]}") from None
+        raise SpecExecError(f"--device {name}: {one_line(error)}") from None
     if device.type == "cpu":
         return device
     backend = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu
@@ -181,62 +181,13 @@ def pick_device(name):
 
 
 def find_model(name, flag):
-    """A local model folder: the folder given, or a hub id's snapshot (cached or downloaded).
-    None: the project's own (models/target or models/draft); '' is no name, not the default."""
+    """The model folder of --target or --draft (offload_files.find_folder); None: the project's
+    own (models/target or models/draft); '' is no name, not the default."""
     if name is None:
         name = str(HERE / "models" / flag.removeprefix("--"))
     if not name.strip():
         raise SpecExecError(f"{flag} is empty: pass a model folder or a hub id")
-    path = Path(name).expanduser()
-    if path.is_dir():
-        if not os.access(path, os.R_OK | os.X_OK):
-            raise SpecExecError(f"{name}: cannot read this folder (permission denied)")
-        if not (path / "config.json").is_file():
-            raise SpecExecError(f"{name}: no config.json in this folder")
-        return path
-    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise SpecExecError(f"{name}: no such model folder")
-    from huggingface_hub import constants, snapshot_download
-
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt"]  # config, weights, tokenizer
-    try:
-        return Path(snapshot_download(name, allow_patterns=patterns, local_files_only=True))
-    except (OSError, ValueError):
-        pass  # not in the cache
-    # The hub client retries a dead network for half a minute; one quick look decides instead.
-    offline = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else unreachable()
-    if offline:
-        raise SpecExecError(
-            f"{name}: no such folder, not in the Hugging Face cache, and {offline}; "
-            "pass a local model folder (or download it once online; HF_HUB_OFFLINE=1 then "
-            "uses the cache only)"
-        )
-    try:
-        folder = Path(snapshot_download(name, allow_patterns=patterns))
-        if not any(folder.glob("*.safetensors")):  # .bin only where a repo has no safetensors
-            folder = Path(snapshot_download(name, allow_patterns=[*patterns, "*.bin"]))
-    except (OSError, ValueError) as error:
-        raise SpecExecError(f"{name}: cannot download it ({one_line(error)})") from None
-    return folder
-
-
-def unreachable():
-    """Why the hub cannot be reached, or None."""
-    import socket
-    import urllib.request
-    from urllib.parse import urlsplit
-
-    from huggingface_hub import constants
-
-    url = urlsplit(constants.ENDPOINT)
-    if url.scheme in urllib.request.getproxies():
-        return None  # the client goes through a proxy; let it try
-    try:
-        port = url.port or (443 if url.scheme == "https" else 80)
-        socket.create_connection((url.hostname, port), timeout=5).close()
-    except OSError as error:
-        return f"{url.hostname} cannot be reached ({error.strerror or error})"
-    return None
+    return find_folder(name)
 
 
 def load_config(folder):
@@ -362,6 +313,25 @@ def load_offloaded(folder, args, device, dtype, context):
     )
 
 
+def self_draft(target, kind, **options):
+    """The target's own int8 or int4 copy as SpecExec's draft (SubSpec, 2025): the same
+    tokenizer by construction and no second checkpoint. An offload.OffloadedCausalLM with every
+    layer resident (nothing streams); `target` a folder or hub id, `options` as
+    offload.from_pretrained's (device, dtype, context).
+
+    Each layer's buffer holds its weights dequantized into `dtype` beside the quantized bytes,
+    and the matmuls run on those (no int8 / int4 kernels here): it computes exactly the quantized
+    model, but holds more than the full model's bytes on the device, not a quarter of them.
+    """
+    import offload
+
+    if kind not in quantize.KINDS:
+        raise OffloadError(f"a self-draft is 'int8' or 'int4', not {kind!r}")
+    return offload.from_pretrained(
+        target, mode="ram", quantize=kind, device_memory=math.inf, **options
+    )
+
+
 # ---- output ----
 
 
@@ -413,8 +383,8 @@ def run(args):
     check_text(prompt)
     target_dir = find_model(args.target, "--target")
     # --draft int8 / int4: the target's own quantized copy, with its tokenizer by construction
-    self_draft = args.draft in quantize.KINDS
-    draft_dir = target_dir if self_draft else find_model(args.draft, "--draft")
+    own_copy = args.draft in quantize.KINDS
+    draft_dir = target_dir if own_copy else find_model(args.draft, "--draft")
     target_config, draft_config = load_config(target_dir), load_config(draft_dir)
     tokenizer = load_tokenizer(target_dir)
     check_same_tokenizer(tokenizer, load_tokenizer(draft_dir))
@@ -434,15 +404,13 @@ def run(args):
         target = load_model(target_dir, device, pick_dtype(args, device))
     draft = None
     try:
-        if self_draft:
-            draft = quantize.self_draft(
-                draft_dir, args.draft, device=device, dtype=pick_dtype(args, device)
-            )
+        if own_copy:
+            draft = self_draft(draft_dir, args.draft, device=device, dtype=pick_dtype(args, device))
         else:
             draft = load_model(draft_dir, device, pick_dtype(args, device))
         generate_and_report(target, draft, tokenizer, input_ids, args, opts, device)
     finally:
-        if self_draft and draft is not None:
+        if own_copy and draft is not None:
             draft.close()
         if args.offload:
             target.close()
@@ -458,10 +426,7 @@ def pick_dtype(args, device):
 
 
 def generate_and_report(target, draft, tokenizer, input_ids, args, opts, device):
-    # Stop at any EOS the tokenizer or the model's generation config names.
-    config_eos = getattr(getattr(target, "generation_config", None), "eos_token_id", None)
-    eos = {tokenizer.eos_token_id, *(config_eos if isinstance(config_eos, list) else [config_eos])}
-    eos.discard(None)
+    eos = stop_tokens(None, target, tokenizer)  # any EOS the model's config or tokenizer names
     options = {f.name: getattr(opts, f.name) for f in fields(Options)}
     if options["seed"] is None:  # one seed for both runs, so --compare can match them
         options["seed"] = torch.seed()

@@ -18,7 +18,7 @@ only the others' bytes (UMbreLLa's resident layers).
 | layer i+1 loads while i runs | `StreamedLayers.__iter__`: prefetch, wait, compute, release   |
 | the device's few operations  | `Cuda` (streams, events) and `Cpu`; tests add a fake one      |
 | cost of one target pass      | `PassStats`: bytes moved, waiting vs computing, GB/s          |
-| int8 / int4 weights          | quantize.py: its `Dequantizing` storage wraps either of them  |
+| int8 / int4 weights          | `Dequantizing` around either storage; arithmetic: quantize.py |
 
 Storage (the bytes of each layer and where they are), state (which layer occupies which device
 slot) and config (the Hugging Face model: config, masks, rotary, the decoder layers' code) are
@@ -285,6 +285,38 @@ class DiskStorage(Storage):
         self.fds = {}
 
 
+class Dequantizing(Storage):
+    """Quantized layers (quantize.py), kept by the ram or ssd storage it wraps.
+
+    A slot holds the bytes that moved (`layouts`, what PassStats counts), then, from `start`, the
+    compute-dtype weights they are dequantized into on the copy stream: the layer's "ready" event
+    covers both, so compute waits for nothing new. Norms and biases move as they are.
+    """
+
+    def __init__(self, storage: Storage, shapes: dict, dtype: torch.dtype, kind: str):
+        self.storage, self.layouts, self.kind = storage, storage.layouts, kind
+        self.start = storage.slot_nbytes()  # a whole number of pages
+        weights = quant.stored_layer(shapes, dtype, None)  # meta tensors in the compute dtype
+        self.weights = pack({n: w for n, w in weights.items() if quant.is_weight(n)})
+
+    def slot_nbytes(self) -> int:
+        return self.start + self.weights.nbytes
+
+    def load(self, layer: int, slot: torch.Tensor, ops) -> None:
+        self.storage.load(layer, slot, ops)
+        weights = self.weights.views(slot[self.start :])
+        ops.convert(quant.dequantize_layer, self.layouts[layer].views(slot), weights, self.kind)
+
+    def views(self, layer: int, slot: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The decoder layer's parameters: norms and biases as moved, weights dequantized."""
+        moved = super().views(layer, slot)
+        kept = {name: t for name, t in moved.items() if not name.endswith((".q", ".scale"))}
+        return kept | self.weights.views(slot[self.start :])
+
+    def close(self) -> None:
+        self.storage.close()
+
+
 # ---- the ring: what is on the device right now ----
 
 
@@ -545,12 +577,7 @@ def from_pretrained(
         raise OffloadError(f"quantize must be None, 'int8' or 'int4', not {quantize!r}")
     ops = device  # the device's operations: Cpu, Cuda, or a test's fake
     if not isinstance(device, Cpu):
-        try:
-            device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        except (RuntimeError, TypeError) as err:
-            raise OffloadError(f"device {device!r}: {files.first_line(err)}") from None
-        if device.type != "cpu" and not (device.type == "cuda" and torch.cuda.is_available()):
-            raise OffloadError(f"offload runs on cpu or an available cuda device, not {device}")
+        device = files.as_device(device)
         ops = Cuda(device) if device.type == "cuda" else Cpu()
     folder = files.find_folder(str(name_or_path))
     config, generation = files.load_configs(folder)  # refuses what a tree pass cannot run
@@ -562,18 +589,17 @@ def from_pretrained(
     if dtype is None:
         dtype = ckpt.dtype
         files.check_dtype_runs(ops.device, dtype)
-    shapes = ckpt.check_layers(hf)  # what each decoder layer holds, the same for all
+    shapes = ckpt.check_layers(hf, quantize)  # what each decoder layer holds, the same for all
     files.load_weights(ckpt, hf, ops.device, dtype, generation, layers=False)
 
     converted, n_layers = None, config.num_hidden_layers
     if mode == "ram":  # the arena, filled once the budget below is known to hold
         ram = storage = RamStorage(pack(quant.stored_layer(shapes, dtype, quantize)), n_layers, ops)
-    else:
-        storage, converted = open_disk(ckpt, shapes, n_layers, dtype, quantize, ops, offload_dir)
-    if quantize is not None:  # a slot also holds the layer's dequantized weights, laid out here
-        weights = {n: torch.empty(s, dtype=dtype, device="meta") for n, s in shapes.items()}
-        weights = pack({n: w for n, w in weights.items() if quant.is_weight(n)})
-        storage = quant.Dequantizing(storage, weights, quantize)
+    else:  # the checkpoint's own files where they fit, else a converted copy
+        layers, converted = files.disk_layers(ckpt, shapes, n_layers, dtype, quantize, offload_dir)
+        storage = DiskStorage(layers, ops)
+    if quantize is not None:  # a slot also holds the layer's dequantized weights
+        storage = Dequantizing(storage, shapes, dtype, quantize)
     n_resident = 0
     if device_memory is not None:  # on the device anyway: the parts above, and keys and values
         # of every layer for `context` tokens; then a layer's slot each for the ring and the
@@ -598,20 +624,3 @@ def from_pretrained(
     model = OffloadedCausalLM(hf, storage, buffers, ops, n_resident)
     model.converted_folder = converted
     return model
-
-
-def open_disk(
-    ckpt, shapes: dict, n_layers: int, dtype, kind, ops, offload_dir
-) -> tuple[DiskStorage, Path | None]:
-    """Storage on the checkpoint's files, or on a converted copy (then also its folder)."""
-    layers = [
-        {n: ckpt.entries.get(f"model.layers.{i}.{n}") for n in shapes} for i in range(n_layers)
-    ]
-    entries = [entry for layer in layers for entry in layer.values()]
-    # the checkpoint's own files will do if their tensors have the dtype and can be viewed in place
-    fits = all(e and e.dtype == dtype and e.start % dtype.itemsize == 0 for e in entries)
-    if fits and kind is None:
-        return DiskStorage(layers, ops), None
-    folder = files.convert(ckpt, shapes, n_layers, dtype, offload_dir, kind)
-    layer_files = [folder / f"layer_{i:03d}.safetensors" for i in range(n_layers)]
-    return DiskStorage([files.read_header(path) for path in layer_files], ops), folder

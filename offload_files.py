@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import quantize
+
 
 class OffloadError(ValueError):
     """Bad input to the offloader: a one-line message that says what and where."""
@@ -54,12 +56,9 @@ def pread_into(fd: int, buffer: torch.Tensor, file_offset: int, path: Path, need
         done += got
 
 
-def first_line(err: BaseException) -> str:
-    return (str(err).strip().splitlines() or [type(err).__name__])[0]
-
-
 def one_line(err: BaseException) -> str:
-    """The whole message on one line (transformers puts the reason on a second one)."""
+    """An exception's message on one line, for an error of ours to quote: all of it (transformers
+    puts the reason on a second line), cut at 300 characters; its type where it has none."""
     return " ".join(str(err).split())[:300] or type(err).__name__
 
 
@@ -75,20 +74,60 @@ def open_direct(path: Path) -> int:
         return os.open(path, os.O_RDONLY)
 
 
-def find_folder(name_or_path: str) -> Path:
-    if Path(name_or_path).expanduser().is_dir():
-        return Path(name_or_path).expanduser()
-    from huggingface_hub import snapshot_download
+def find_folder(name: str) -> Path:
+    """A local model folder: the folder given, or a hub id's snapshot (cached, else downloaded:
+    config, tokenizer and weights, .bin only where a repo has no safetensors). The one finder of
+    the CLI's models and the offloader's; what it cannot find is one line naming `name`."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise OffloadError(f"{name}: cannot read this folder (permission denied)")
+        if not (path / "config.json").is_file():
+            raise OffloadError(f"{name}: no config.json in this folder")
+        return path
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
+        raise OffloadError(f"{name}: no such model folder")
+    from huggingface_hub import constants, snapshot_download
 
-    try:  # safetensors where the repo has them, .bin only where it has not
-        folder = Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.safetensors"]))
-        if not any(folder.glob("*.safetensors")):
-            folder = Path(snapshot_download(name_or_path, allow_patterns=["*.json", "*.bin"]))
-    except Exception as err:  # what the hub raises varies with the failure and the version
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt"]  # config, weights, tokenizer
+    try:
+        return Path(snapshot_download(name, allow_patterns=patterns, local_files_only=True))
+    except (OSError, ValueError):
+        pass  # not in the cache
+    # The hub client retries a dead network for half a minute; one quick look decides instead.
+    offline = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else unreachable()
+    if offline:
         raise OffloadError(
-            f"{name_or_path} is no folder and no reachable hub id: {first_line(err)}"
-        ) from None
+            f"{name}: no such folder, not in the Hugging Face cache, and {offline}; "
+            "pass a local model folder (or download it once online; HF_HUB_OFFLINE=1 then "
+            "uses the cache only)"
+        )
+    try:
+        folder = Path(snapshot_download(name, allow_patterns=patterns))
+        if not any(folder.glob("*.safetensors")):
+            folder = Path(snapshot_download(name, allow_patterns=[*patterns, "*.bin"]))
+    except Exception as err:  # what the hub raises varies with the failure and the version
+        raise OffloadError(f"{name}: cannot download it ({one_line(err)})") from None
     return folder
+
+
+def unreachable() -> str | None:
+    """Why the hub cannot be reached, or None."""
+    import socket
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    url = urlsplit(constants.ENDPOINT)
+    if url.scheme in urllib.request.getproxies():
+        return None  # the client goes through a proxy; let it try
+    try:
+        port = url.port or (443 if url.scheme == "https" else 80)
+        socket.create_connection((url.hostname, port), timeout=5).close()
+    except OSError as err:
+        return f"{url.hostname} cannot be reached ({err.strerror or err})"
+    return None
 
 
 def load_configs(folder: Path):
@@ -155,6 +194,18 @@ def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return found
 
 
+def as_device(device: torch.device | str | None) -> torch.device:
+    """A torch device from itself or its name (None: cuda if available, else cpu), one that
+    offload runs on: the cpu or an available cuda device."""
+    try:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError) as err:
+        raise OffloadError(f"device {device!r}: {one_line(err)}") from None
+    if device.type != "cpu" and not (device.type == "cuda" and torch.cuda.is_available()):
+        raise OffloadError(f"offload runs on cpu or an available cuda device, not {device}")
+    return device
+
+
 def check_dtype_runs(device: torch.device, dtype: torch.dtype) -> None:
     """Fail now, not mid-generation, if the device cannot run a matmul and softmax in `dtype`."""
     old_gpu = device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False)
@@ -164,7 +215,7 @@ def check_dtype_runs(device: torch.device, dtype: torch.dtype) -> None:
         x = torch.ones(2, 8, dtype=dtype, device=device)  # (2, 8)
         torch.softmax(x @ x.T, dim=-1)
     except (RuntimeError, NotImplementedError, TypeError) as err:
-        reason = first_line(err)
+        reason = one_line(err)
         raise OffloadError(f"{device} cannot run {dtype} ({reason}); pass another dtype") from None
 
 
@@ -236,7 +287,7 @@ class Checkpoint:
                 try:  # mmap: bytes are paged in as tensors are touched, never the whole shard
                     self.mapped.update(torch.load(shard, mmap=True, weights_only=True))
                 except RuntimeError as err:
-                    reason = str(err).splitlines()[0]
+                    reason = one_line(err)
                     raise OffloadError(f"corrupt checkpoint shard {shard}: {reason}") from None
             if self.shards:
                 return
@@ -311,9 +362,10 @@ class Checkpoint:
         if (found := self.spec(name)[1]) != tuple(shape):
             raise OffloadError(f"{self.folder}: {name} has shape {found}, config wants {shape}")
 
-    def check_layers(self, model) -> dict[str, tuple[int, ...]]:
+    def check_layers(self, model, kind: str | None = None) -> dict[str, tuple[int, ...]]:
         """What a decoder layer of `model` (a meta skeleton) holds, name -> shape, once every
-        layer's tensors were found with those shapes; offload streams them from one slot."""
+        layer's tensors were found with those shapes and can be stored quantized as `kind` says
+        (int4: whole groups of inputs); offload streams them from one slot."""
         layers = getattr(getattr(model, "model", None), "layers", None)
         if not isinstance(layers, torch.nn.ModuleList):
             family = model.config.model_type
@@ -323,6 +375,10 @@ class Checkpoint:
         for i in range(len(layers)):
             for name, shape in shapes.items():
                 self.check(f"model.layers.{i}.{name}", shape)
+        try:  # quantize.py's arithmetic refuses with a ValueError; here it is a one-line error
+            quantize.stored_layer(shapes, torch.float32, kind)
+        except ValueError as err:
+            raise OffloadError(str(err)) from None
         return shapes
 
     def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -432,7 +488,29 @@ def load_weights(ckpt: Checkpoint, model, device, dtype, generation, layers=True
     model.requires_grad_(False).eval()
 
 
-# ---- the converted copy: one safetensors file per layer ----
+# ---- the ssd tier's files: the checkpoint's own, or a converted copy with one file per layer ----
+
+
+def disk_layers(
+    ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, kind, offload_dir
+) -> tuple[list[dict[str, Entry]], Path | None]:
+    """Where the ssd tier reads each decoder layer's tensors (name -> Entry, a dict per layer):
+    the checkpoint's own safetensors where they hold `dtype`, unquantized, at offsets a view of
+    `dtype` can start at; else a converted copy, whose folder is returned too."""
+    layers = [
+        {n: ckpt.entries.get(f"model.layers.{i}.{n}") for n in shapes} for i in range(n_layers)
+    ]
+    entries = [entry for layer in layers for entry in layer.values()]
+    # the checkpoint's own files will do if their tensors have the dtype and can be viewed in place
+    fits = all(e and e.dtype == dtype and e.start % dtype.itemsize == 0 for e in entries)
+    if fits and kind is None:
+        return layers, None
+    folder = convert(ckpt, shapes, n_layers, dtype, offload_dir, kind)
+    return [read_header(path) for path in layer_files(folder, n_layers)], folder
+
+
+def layer_files(folder: Path, n_layers: int) -> list[Path]:
+    return [folder / f"layer_{i:03d}.safetensors" for i in range(n_layers)]
 
 
 def convert(ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, offload_dir, kind=None) -> Path:
@@ -444,8 +522,6 @@ def convert(ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, offload_dir, k
     zeroed, files swapped) is written again. One run at a time writes into or checks a copy in
     offload_dir (a lock on it): a second run waits, then reuses what the first wrote.
     """
-    import quantize  # here: quantize.py imports this module's OffloadError
-
     if offload_dir is None:
         raise OffloadError(f"{ckpt.folder} needs a one-time conversion for ssd; pass offload_dir")
     offload_dir = Path(offload_dir).expanduser()  # "~/copies": in the home folder, not "./~"
@@ -454,14 +530,14 @@ def convert(ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, offload_dir, k
     folder = offload_dir / f"{ckpt.folder.name}-{ckpt.fingerprint()}-{label}"
     manifest = {"source": str(ckpt.folder.resolve()), "dtype": dtype_name, "layers": n_layers}
     manifest["quantize"] = kind
-    files = [folder / f"layer_{i:03d}.safetensors" for i in range(n_layers)]
+    files = layer_files(folder, n_layers)
     try:
         offload_dir.mkdir(parents=True, exist_ok=True)
         with locked(offload_dir):
             damage = copy_damage(folder, manifest, files)
             if damage is None:
                 return folder  # converted by an earlier run
-            stored = quantize.stored_layer(shapes, dtype, kind)  # meta; fails now if it cannot be
+            stored = quantize.stored_layer(shapes, dtype, kind)  # meta: dtypes and shapes
             size = f"{len(files) * sum(t.nbytes for t in stored.values()) / 1e9:.2f} GB {label}"
             if damage:
                 say = f"the {size} copy in {folder} is damaged ({damage}); writing it again"
@@ -523,8 +599,6 @@ def sha256(path: Path) -> str:
 def write_copy(ckpt, shapes, dtype, kind, folder: Path, manifest: dict, files: list[Path]):
     """Convert every layer into its file, then write the manifest; on any failure remove them."""
     from safetensors.torch import save
-
-    import quantize
 
     sums = {}
     try:

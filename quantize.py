@@ -20,16 +20,13 @@ smaller groups lose less to one outlier, and the rows here are short (256 inputs
 target); a float16 scale per 64 weights costs 0.25 bit each, 4.25 bits a weight in all.
 Scales are stored in the compute dtype, so the dequantized weight is q * scale rounded once.
 
-`self_draft` turns the same machinery into a draft for SpecExec: the target's own int8 / int4
-copy with every layer resident, which agrees with the target far more often than a small
-distilled draft does (README, "What makes a good draft").
+Pure arithmetic, importing no other module of the project: a weight that cannot be quantized is
+a ValueError, which the offloader's check of a checkpoint (offload_files) turns into its one-line
+error. offload.py's `Dequantizing` storage runs `dequantize_layer` as each layer lands, and the
+CLI's self-draft (`--draft int8|int4`, cli.self_draft) is the target's own quantized copy.
 """
 
-import math
-
 import torch
-
-from offload_files import OffloadError
 
 KINDS = ("int8", "int4")
 QMAX = {"int8": 127, "int4": 7}  # largest level; levels are symmetric around 0
@@ -56,7 +53,7 @@ def quantize(weight: torch.Tensor, kind: str, dtype: torch.dtype):
     weight = weight.flatten(0, -2)  # (out, in)
     rows, cols = weight.shape
     if kind == "int4" and cols % GROUP:
-        raise OffloadError(f"int4 quantizes groups of {GROUP} inputs; a weight has {cols} inputs")
+        raise ValueError(f"int4 quantizes groups of {GROUP} inputs; a weight has {cols} inputs")
     groups = cols // GROUP if kind == "int4" else 1
     work = torch.promote_types(dtype, torch.float32)  # float16 weights are divided in float32
     w = weight.to(work).view(rows, groups, cols // groups)  # (out, groups, group size)
@@ -117,8 +114,8 @@ def quantize_layer(tensors: dict, dtype: torch.dtype, kind: str | None) -> dict:
             continue
         try:
             stored[f"{name}.q"], stored[f"{name}.scale"] = quantize(tensor, kind, dtype)
-        except OffloadError as err:
-            raise OffloadError(f"{name}: {err}") from None
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from None
     return stored
 
 
@@ -132,59 +129,3 @@ def dequantize_layer(stored: dict, weights: dict, kind: str) -> None:
     """Into each compute-dtype weight, from its stored levels and scale (views of one slot)."""
     for name, weight in weights.items():
         dequantize(stored[f"{name}.q"], stored[f"{name}.scale"], kind, out=weight)
-
-
-# ---- in offload.py's ring: a storage whose loads dequantize ----
-
-
-class Dequantizing:
-    """offload.py's storage of quantized layers, wrapping the ram or ssd one that keeps them.
-
-    A slot holds the bytes that moved (`layouts`, what PassStats counts), then, from `start`, the
-    compute-dtype weights they are dequantized into on the copy stream: the layer's "ready" event
-    covers both, so compute waits for nothing new. Norms and biases move as they are.
-    """
-
-    def __init__(self, storage, weights, kind: str):
-        self.storage, self.layouts, self.kind = storage, storage.layouts, kind
-        self.start = storage.slot_nbytes()  # a whole number of pages
-        self.weights = weights  # offload.Layout of the dequantized weights, from `start`
-
-    def slot_nbytes(self) -> int:
-        return self.start + self.weights.nbytes
-
-    def load(self, layer: int, slot: torch.Tensor, ops) -> None:
-        self.storage.load(layer, slot, ops)
-        weights = self.weights.views(slot[self.start :])
-        ops.convert(dequantize_layer, self.layouts[layer].views(slot), weights, self.kind)
-
-    def views(self, layer: int, slot: torch.Tensor) -> dict:
-        """The decoder layer's parameters: norms and biases as moved, weights dequantized."""
-        moved = self.layouts[layer].views(slot)
-        kept = {name: t for name, t in moved.items() if not name.endswith((".q", ".scale"))}
-        return kept | self.weights.views(slot[self.start :])
-
-    def close(self) -> None:
-        self.storage.close()
-
-
-# ---- a self-draft: the target's own quantized copy ----
-
-
-def self_draft(target, kind: str, **options):
-    """The target's own int8 or int4 copy as SpecExec's draft (SubSpec, 2025): the same
-    tokenizer by construction and no second checkpoint. An offload.OffloadedCausalLM with every
-    layer resident (nothing streams); `target` a folder or hub id, `options` as
-    offload.from_pretrained's (device, dtype, context).
-
-    Each layer's buffer holds its weights dequantized into `dtype` beside the quantized bytes,
-    and the matmuls run on those (no int8 / int4 kernels here): it computes exactly the quantized
-    model, but holds more than the full model's bytes on the device, not a quarter of them.
-    """
-    import offload  # here: offload.py imports this module
-
-    if kind not in KINDS:
-        raise OffloadError(f"a self-draft is 'int8' or 'int4', not {kind!r}")
-    return offload.from_pretrained(
-        target, mode="ram", quantize=kind, device_memory=math.inf, **options
-    )

@@ -649,14 +649,3 @@ def plain_step(run, seq):
         )  # (len(trunk), vocab)
         check_finite(logits[-1], "target")
         return [choose(logits[-1], run.opts, run.rng)]
-
-
-# ---- command line ----
-
-
-def main(argv=None):
-    """`python specexec.py --help`: the command line lives in cli.py, with model loading (and
-    runs from the top of this file, before its imports)."""
-    import cli
-
-    cli.main(argv)

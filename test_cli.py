@@ -21,6 +21,7 @@ import torch
 
 import cli
 import specexec
+from conftest import tiny_model
 
 HERE = Path(__file__).resolve().parent
 PAIR = HERE / "models"
@@ -69,7 +70,8 @@ def check_errors(cases, written=""):
 
 
 def save_tiny(path, vocab_words=None, vocab=64):
-    """A tiny random llama and a word-level tokenizer whose vocabulary is `vocab_words`."""
+    """A tiny random llama (conftest.tiny_model, float32) and a word-level tokenizer whose
+    vocabulary is `vocab_words`."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -78,13 +80,7 @@ def save_tiny(path, vocab_words=None, vocab=64):
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=words[0])
     fast.save_pretrained(path)
-    config = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    tiny_model(vocab=vocab, dtype=torch.float32).save_pretrained(path)
     return str(path)
 
 

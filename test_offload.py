@@ -1,10 +1,10 @@
 """offload.py held against the in-memory Hugging Face model it wraps (the oracle).
 
-Tiny random models are saved to pytest's tmp folders; nothing is downloaded. On CPU everything is
-float32, where the offloaded model runs the very same kernels in the very same order, so its logits
-must match the in-memory model's to float rounding. The ring's ordering (events between a copy
-stream and the compute stream) is checked on a fake device whose streams are late-running worker
-threads; a last section runs only where CUDA is available.
+Tiny random models (conftest.py) are saved to pytest's tmp folders; nothing is downloaded. On
+CPU everything is float32, where the offloaded model runs the very same kernels in the very same
+order, so its logits must match the in-memory model's to float rounding. The ring's ordering
+(events between a copy stream and the compute stream) is checked on a fake device whose streams
+are late-running worker threads; a last section runs only where CUDA is available.
 """
 
 import contextlib
@@ -24,58 +24,27 @@ import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given, settings
-from transformers import (
-    AutoModelForCausalLM,
-    DynamicCache,
-    Gemma2Config,
-    Gemma3TextConfig,
-    GPT2Config,
-    GraniteConfig,
-    LlamaConfig,
-    MambaConfig,
-    MistralConfig,
-    MixtralConfig,
-    Olmo2Config,
-    Phi3Config,
-    Qwen2Config,
-    Qwen3Config,
-    Qwen3MoeConfig,
-    SmolLM3Config,
-)
+from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config, MambaConfig
 
+import cli
 import offload
 import offload_files
 import quantize
+import specexec
+from conftest import (
+    CONFIGS,
+    REAL_SHAPES,
+    ancestors,
+    cut_draft,
+    random_model,
+    real_model,
+    save_model,
+    tiny_config,
+)
 from families import CACHE
 
 torch.set_num_threads(1)  # tiny models; leave the other core alone
 
-SIZES = {
-    "vocab_size": 97,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-}
-CONFIGS = {
-    "llama": lambda: LlamaConfig(**SIZES),
-    "qwen2": lambda: Qwen2Config(**SIZES, tie_word_embeddings=True),  # q/k/v biases, tied head
-    "qwen3": lambda: Qwen3Config(**SIZES, head_dim=8),  # q/k norms
-    "mistral": lambda: MistralConfig(**SIZES, sliding_window=64),  # sliding-window masks
-    # soft-capping, scaled embeddings, norms after attention and MLP, sliding/global layers
-    "gemma2": lambda: Gemma2Config(**SIZES, head_dim=8, sliding_window=64),
-    "gemma3": lambda: Gemma3TextConfig(**SIZES, head_dim=8, sliding_window=64),  # q/k norms
-    "phi3": lambda: Phi3Config(**SIZES, pad_token_id=0),  # fused qkv and gate_up projections
-    "olmo2": lambda: Olmo2Config(**SIZES),  # norms after attention and MLP only
-    "granite": lambda: GraniteConfig(**SIZES, embedding_multiplier=12.0, logits_scaling=16.0),
-    "smollm3": lambda: SmolLM3Config(**SIZES, pad_token_id=0, no_rope_layer_interval=2),
-    "mixtral": lambda: MixtralConfig(**SIZES, num_local_experts=4),  # experts stored apart
-    "qwen3_moe": lambda: Qwen3MoeConfig(
-        **SIZES, head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64
-    ),
-}
 EAGER_ONLY = {"gemma2"}  # soft-capped attention logits, which sdpa cannot do
 
 
@@ -88,14 +57,6 @@ def with_attentions(names):
 # ---- fixtures: tiny checkpoints and their in-memory oracles ----
 
 
-def save_model(folder, config, seed=0, dtype=torch.float32, shard="30KB"):
-    """A random model saved as (sharded, so layers straddle files) safetensors; returns it."""
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).eval().requires_grad_(False)
-    model.to(dtype).save_pretrained(folder, max_shard_size=shard)
-    return model.float()  # the oracle holds exactly the saved values, in float32
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """family -> (folder, in-memory model)."""
@@ -105,33 +66,6 @@ def checkpoints(tmp_path_factory):
         out[family] = folder, save_model(folder, make_config())
     assert len(list(out["llama"][0].glob("*.safetensors"))) > 3  # really sharded
     return out
-
-
-def tree_mask(parents, n_cached, dtype=torch.float32):
-    """The additive mask (1, 1, q, n_cached + q) and positions (1, q) of a token tree.
-
-    parents[j] is the index of node j's parent in the tree, -1 for a child of the cached prefix.
-    A node sees the whole prefix, its ancestors and itself; its position is n_cached + depth.
-    """
-    q = len(parents)
-    visible = torch.zeros(q, n_cached + q, dtype=torch.bool)  # (q, n_cached + q)
-    visible[:, :n_cached] = True
-    depth = []
-    for j, parent in enumerate(parents):
-        if parent >= 0:
-            visible[j] |= visible[parent]
-        visible[j, n_cached + j] = True
-        depth.append(depth[parent] + 1 if parent >= 0 else 0)
-    mask = torch.zeros(visible.shape, dtype=dtype).masked_fill(~visible, torch.finfo(dtype).min)
-    return mask[None, None], torch.tensor(depth)[None] + n_cached
-
-
-def keep_positions(cache, keep):
-    """What a caller does after verification: keep only the accepted cache entries."""
-    for layer in cache.layers:
-        layer.keys, layer.values = layer.keys[:, :, keep], layer.values[:, :, keep]
-        if hasattr(layer, "cumulative_length"):  # sliding-window layers count tokens seen
-            layer.cumulative_length = len(keep)
 
 
 def set_attention(model, attention):
@@ -206,7 +140,7 @@ def test_logits_match_in_memory_model(
         loads = count_bytes_moved(model, stack)
         set_attention(model, attention)
         assert model.dtype == torch.float32 and model.device == torch.device("cpu")
-        caches = [DynamicCache(config=model.config), DynamicCache(config=oracle.config)]
+        caches = [DynamicCache(), DynamicCache()]  # as specexec's: keep_path keeps any entry
         generator = torch.Generator().manual_seed(1)
         prompt = torch.randint(97, (1, 9), generator=generator)  # (1, 9)
 
@@ -219,13 +153,12 @@ def test_logits_match_in_memory_model(
         both(prompt)  # prefill with the models' own causal mask
         for step in range(3):  # tree steps with a hand-built 4D mask, then keep one path
             n_cached = caches[0].get_seq_length()
-            mask, positions = tree_mask(PARENTS, n_cached)
+            mask, positions = specexec.tree_mask_reference(PARENTS, n_cached, torch.float32, "cpu")
             tree = torch.randint(97, (1, len(PARENTS)), generator=generator)  # (1, q)
             both(tree, attention_mask=mask, position_ids=positions)
             path = [0, 1, 3] if step % 2 else [0, 2, 5]
-            keep = list(range(n_cached)) + [n_cached + j for j in path]
             for cache in caches:
-                keep_positions(cache, keep)
+                specexec.keep_path(cache, list(range(len(PARENTS))), path)
         model.ring.drain()  # the next pass's first layers, prefetched, have landed too
         stats = model.stats  # of the last pass: every streamed layer moved once, no other
         streamed = [i for i in range(oracle.config.num_hidden_layers) if i not in model.ring.kept]
@@ -260,7 +193,7 @@ def test_device_memory_keeps_the_layers_that_fit(tmp_path, mode, buffers):
     """Around every whole number of slots: the resident layers are the most k whose own buffers
     and the ring's min(buffers, 5 - k) slots fit (counted plainly), spread through the pass;
     where not even the ring fits, a one-line error before any layer is read."""
-    oracle = save_model(tmp_path / "model", LlamaConfig(**{**SIZES, "num_hidden_layers": 5}))
+    oracle = save_model(tmp_path / "model", tiny_config("llama", layers=5))
     options = {"mode": mode, "device": "cpu", "buffers": buffers, "context": CONTEXT}
     fixed, slot = device_sizes(tmp_path / "model", oracle, options)
     for n_slots in range(7):
@@ -291,27 +224,21 @@ def test_tree_mask_is_used_as_given(checkpoints, attention):
         prefix = DynamicCache(config=model.config)
         model(prompt, **{CACHE: prefix})
         tree = torch.randint(97, (1, len(PARENTS)), generator=torch.Generator().manual_seed(3))
-        mask, positions = tree_mask(PARENTS, n_cached=5)
+        mask, positions = specexec.tree_mask_reference(PARENTS, 5, torch.float32, "cpu")
         tree_logits = model(
             tree, attention_mask=mask, position_ids=positions, **{CACHE: copy.deepcopy(prefix)}
         ).logits  # (1, q, vocab)
         for node in range(len(PARENTS)):
-            path = [node]
-            while PARENTS[path[-1]] >= 0:
-                path.append(PARENTS[path[-1]])
-            path_ids = tree[:, path[::-1]]  # root ... node, causal after the prefix
+            path_ids = tree[:, ancestors(PARENTS, node)[::-1]]  # root ... node, after the prefix
             alone = model(path_ids, **{CACHE: copy.deepcopy(prefix)}).logits[:, -1]
             torch.testing.assert_close(tree_logits[:, node], alone, rtol=1e-5, atol=1e-5)
 
 
 def test_generate_matches_in_memory_target(checkpoints):
-    import specexec
-
     folder, oracle = checkpoints["llama"]
-    torch.manual_seed(5)
-    draft = AutoModelForCausalLM.from_config(LlamaConfig(**{**SIZES, "num_hidden_layers": 1}))
+    draft = random_model(tiny_config("llama", layers=1), seed=5)
     prompt = torch.randint(97, (1, 6), generator=torch.Generator().manual_seed(4))
-    expected, _ = specexec.generate(oracle, draft.eval(), prompt, max_new_tokens=12, budget=8)
+    expected, _ = specexec.generate(oracle, draft, prompt, max_new_tokens=12, budget=8)
     with offload.from_pretrained(folder, mode="ssd", device="cpu") as target:
         tokens, _ = specexec.generate(target, draft, prompt, max_new_tokens=12, budget=8)
     assert tokens == expected
@@ -322,7 +249,6 @@ def test_grown_target_decodes_as_the_target_it_grew_from(checkpoints, tmp_path):
     are zero, then new layers whose attention and MLP outputs are zero. Both models are read in
     float64 from the same float32 values, so no near-tie can flip an argmax: logits equal to
     rounding, and the same greedy text, in memory and streamed from disk."""
-    import specexec
     from scripts import bench_disk
 
     folder, _ = checkpoints["llama"]
@@ -477,8 +403,7 @@ def test_in_place_and_ram_have_no_converted_folder(checkpoints):
 
 @pytest.mark.parametrize("mode", ["ram", "ssd"])
 def test_bin_checkpoint(tmp_path, mode):
-    torch.manual_seed(0)
-    oracle = AutoModelForCausalLM.from_config(CONFIGS["llama"]()).eval().requires_grad_(False)
+    oracle = random_model(CONFIGS["llama"]())
     oracle.config.save_pretrained(tmp_path / "bin")
     torch.save(oracle.state_dict(), tmp_path / "bin" / "pytorch_model.bin")
     ids = torch.randint(97, (1, 7), generator=torch.Generator().manual_seed(7))
@@ -531,7 +456,7 @@ def test_streamed_layers_never_exceed_buffers(tmp_path, buffers):
     wait() hands a slot out, and it stays taken until the layer has run; the count therefore
     covers layers in flight, landed and running.
     """
-    save_model(tmp_path, LlamaConfig(**{**SIZES, "num_hidden_layers": 5}))
+    save_model(tmp_path, tiny_config("llama", layers=5))
     with offload.from_pretrained(tmp_path, mode="ssd", device="cpu", buffers=buffers) as model:
         events = []  # +1 when a layer's read starts (reader thread), -1 when its compute ends
         storage = model.ring.storage
@@ -856,12 +781,8 @@ def test_int4_needs_whole_groups(checkpoints):
 def test_specexec_with_quantized_target_equals_its_greedy_decoding(tmp_path, kind, mode):
     """float64, so that the tree pass and the one-token passes, which round differently,
     cannot flip a near-tied argmax."""
-    import specexec
-
     save_model(tmp_path / "target", quant_config("llama"), dtype=torch.float64)
-    torch.manual_seed(5)
-    draft = AutoModelForCausalLM.from_config(LlamaConfig(**{**SIZES, "num_hidden_layers": 1}))
-    draft = draft.to(torch.float64).eval()
+    draft = random_model(tiny_config("llama", layers=1), seed=5, dtype=torch.float64)
     prompt = torch.randint(97, (1, 6), generator=torch.Generator().manual_seed(4))
     options = {"mode": mode, "device": "cpu", "offload_dir": tmp_path, "quantize": kind}
     with offload.from_pretrained(tmp_path / "target", **options) as target:
@@ -891,14 +812,14 @@ def test_self_draft_is_the_quantized_target_kept_whole(float64_target, kind):
     """Its logits are the dequantized target's; nothing streams; a bad kind is one line."""
     folder, target = float64_target
     ids = torch.randint(97, (1, 7), generator=torch.Generator().manual_seed(9))
-    with quantize.self_draft(folder, kind, device="cpu") as draft:
+    with cli.self_draft(folder, kind, device="cpu") as draft:
         assert draft.dtype == torch.float64 and draft.stats.resident_layers == 4
         expected = dequantized(target, kind)(ids).logits
         torch.testing.assert_close(draft(ids).logits, expected, rtol=1e-12, atol=1e-12)
         assert draft.stats.bytes_moved == 0 and draft.ring.slots == []
     assert not torch.equal(expected, target(ids).logits)  # quantized: another model
     with pytest.raises(offload.OffloadError, match="a self-draft is 'int8' or 'int4', not 'fp8'"):
-        quantize.self_draft(folder, "fp8")
+        cli.self_draft(folder, "fp8")
 
 
 @pytest.mark.parametrize("kind", quantize.KINDS)
@@ -906,13 +827,11 @@ def test_self_draft_is_the_quantized_target_kept_whole(float64_target, kind):
 def test_specexec_with_a_self_draft_is_exact(float64_target, kind, sampled):
     """Greedy: the target's greedy decoding; sampled (T 0.6, top-p 0.9, seeded): the target's
     own autoregressive sample with that seed."""
-    import specexec
-
     folder, target = float64_target
     prompt = torch.randint(97, (1, 6), generator=torch.Generator().manual_seed(4)).tolist()[0]
     options = dict(max_new_tokens=24, eos_token_id=[])
     options |= dict(temperature=0.6, top_p=0.9) if sampled else {}
-    with quantize.self_draft(folder, kind, device="cpu") as draft:
+    with cli.self_draft(folder, kind, device="cpu") as draft:
         for seed in range(2):
             expected, _ = specexec.autoregressive(target, prompt, seed=seed, **options)
             tokens, stats = specexec.generate(
@@ -933,7 +852,7 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_cuda_logits_match_resident_model(tmp_path, dtype, mode, buffers):
     """The same Hugging Face forward over the same weights: logits equal the resident model's."""
-    save_model(tmp_path, LlamaConfig(**{**SIZES, "num_hidden_layers": 5}), dtype=dtype)
+    save_model(tmp_path, tiny_config("llama", layers=5), dtype=dtype)
     oracle = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype).cuda().eval()
     options = {"mode": mode, "device": "cuda", "dtype": dtype, "buffers": buffers}
     with offload.from_pretrained(tmp_path, **options) as model:
@@ -955,7 +874,7 @@ def test_cuda_copies_are_pinned_and_overlap_compute(tmp_path, monkeypatch, mode)
     kernels; and a ram pass blocks the host once (its end), not once per layer."""
     from scripts import bench_offload
 
-    config = LlamaConfig(**{**SIZES, "hidden_size": 512, "intermediate_size": 2048})
+    config = tiny_config("llama", hidden_size=512, intermediate_size=2048)
     save_model(tmp_path, config, dtype=torch.float16, shard="2GB")
     with offload.from_pretrained(tmp_path, mode=mode, device="cuda", buffers=2) as model:
         ids = torch.randint(97, (1, 256), device="cuda")
@@ -1040,7 +959,7 @@ def test_a_closed_model_says_so(checkpoints):
     [
         (GPT2Config(n_layer=2, n_embd=32, n_head=4), "no decoder layers at model.layers"),
         (MambaConfig(num_hidden_layers=2), "mamba is not supported: layer 0 keeps a"),
-        (MistralConfig(**SIZES, sliding_window=0), "a sliding window of 0 lets a token see"),
+        (tiny_config("mistral", sliding_window=0), "a sliding window of 0 lets a token see"),
     ],
 )
 def test_what_cannot_run_is_refused_in_one_line(tmp_path, config, message):
@@ -1054,8 +973,6 @@ def test_what_cannot_run_is_refused_in_one_line(tmp_path, config, message):
 def test_a_float64_mixture_runs_in_memory_and_offloaded(tmp_path):
     """transformers runs a mixture's experts with grouped_mm by default, which has no float64
     kernel; the CLI's loader and offload.py switch such a model to its eager experts."""
-    import cli
-
     save_model(tmp_path, CONFIGS["mixtral"](), dtype=torch.float64)
     oracle = AutoModelForCausalLM.from_pretrained(
         tmp_path, dtype=torch.float64, experts_implementation="eager"
@@ -1087,7 +1004,7 @@ def test_dtype_as_a_string(checkpoints, dtype):
     [
         ("dtype", "dtype 'float33' is no torch dtype"),
         ("config", "cannot load its config"),
-        ("no folder", "is no folder and no reachable hub id"),
+        ("no folder", "not/a/folder: no such model folder"),  # the CLI's words: one finder
         ("device", "offload runs on cpu or an available cuda device, not meta"),
         ("device name", "device 'foo': "),
         ("buffers", "buffers must be an integer of at least 1, not 1.5"),
@@ -1120,7 +1037,7 @@ def test_loading_errors_are_one_line(checkpoints, tmp_path, case, message):
         (tmp_path / damaged).write_text("{not json")
         folder = tmp_path
     if case == "no folder":
-        folder = tmp_path / "not" / "a" / "folder"  # nor a valid hub id: no network needed
+        folder = tmp_path / "not" / "a" / "folder"  # a path, no hub id: no network needed
     with pytest.raises(offload.OffloadError, match=message) as caught:
         offload.from_pretrained(folder, **options)
     assert "\n" not in str(caught.value)
@@ -1133,25 +1050,19 @@ def test_loading_errors_are_one_line(checkpoints, tmp_path, case, message):
 @pytest.mark.parametrize("mode", ["ram", "ssd"])
 def test_cli_runs_the_default_pair_offloaded(mode, tmp_path, capsys):
     """`python specexec.py --offload ...` streams the target and reports the pass's bytes."""
-    import specexec
-
     argv = ["--max-new-tokens", "12", "--offload", mode, "--offload-dir", str(tmp_path)]
-    specexec.main(argv + ["--compare"])
+    cli.main(argv + ["--compare"])
     out = capsys.readouterr().out
     assert f"offload ({mode}): 0 of 6 layers resident; the last target pass moved" in out
     assert "identical output" in out
 
 
-# ---- configs shaped like real checkpoints (REAL_SHAPES in test_specexec.py) ----
-
-from test_specexec import REAL_SHAPES  # noqa: E402  (the configs are written once, there)
+# ---- configs shaped like real checkpoints (conftest.REAL_SHAPES) ----
 
 
 @pytest.fixture(scope="module")
 def real_checkpoints(tmp_path_factory):
     """name -> (folder, in-memory model), float32, for each config shaped like a real one."""
-    from test_specexec import real_model
-
     out = {}
     for name in REAL_SHAPES:
         folder = tmp_path_factory.mktemp(name)
@@ -1165,8 +1076,8 @@ def real_checkpoints(tmp_path_factory):
 def test_real_shapes_offloaded_logits_match(real_checkpoints, name, mode, attention, tmp_path):
     """The check above (prefill, then tree-masked steps on a kept cache) on each real shape.
 
-    Its cache holds at most 22 entries, inside the sliding windows (24): a config-built cache
-    trims sliding layers to the window, which its position-based keep would not survive.
+    Its cache holds at most 22 entries, inside the sliding windows (24), where a tree mask
+    without a window is the one the sliding layers need too.
     """
     test_logits_match_in_memory_model(real_checkpoints, name, mode, attention, tmp_path)
 
@@ -1178,9 +1089,6 @@ def test_real_shapes_generate_with_offloaded_target(real_checkpoints, name):
     Both runs make the same passes with the same kernels, so even float32 cannot tell them apart.
     Prompt and output (36 tokens) pass the sliding-window shapes' window (24).
     """
-    import specexec
-    from test_specexec import cut_draft
-
     folder, oracle = real_checkpoints[name]
     draft = cut_draft(name, dtype=torch.float32)
     prompt = torch.randint(97, (1, 6), generator=torch.Generator().manual_seed(4))

@@ -6,5 +6,7 @@
     python -m scripts.bench_experts  # what a mixture of experts moves, and what a tree routes
     python -m scripts.train_pair     # train models/ again
 
-They import the library modules (specexec, offload, cli) from the root, which `-m` puts first.
+They import the library modules (specexec, offload, cli) from the root, which `-m` puts first,
+and what they share from `common.py`: the machine's name, a command line read from a config.
+(bench_offload's --quality reads train_pair's held-out split through train_pair itself.)
 """

@@ -20,7 +20,7 @@ layer are scaled to 32 layers and combined with each row's measured tokens per p
 time. The temporary model is deleted afterwards.
 
 --drafts replaces the table: SpecExec at each budget with three drafts of the same target, the
-distilled default draft and the target's own int8 and int4 copies (quantize.self_draft, every
+distilled default draft and the target's own int8 and int4 copies (cli.self_draft, every
 layer resident), greedy and sampled, each row checked against the target's own decoding.
 """
 
@@ -28,7 +28,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -41,6 +40,7 @@ import torch
 
 import cli
 import specexec
+from scripts.common import cpu_name, machine  # the machine, named as every script names it
 
 
 @dataclass
@@ -63,26 +63,6 @@ class BenchConfig:
     projection_dir: str | None = None  # where its temporary files go (default: the temp dir)
     gpu_tflops: float = 100.0  # ASSUMED GPU compute rate for the projection's second variant
     drafts: bool = False  # instead: the distilled draft against the target's int8 / int4 copy
-
-
-# ---- the machine ----
-
-
-def cpu_name():
-    """The processor's model name (Linux), else what `platform` knows."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
-def machine():
-    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
-    return (
-        f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, {gpu}; "
-        f"torch {torch.__version__}; load average {os.getloadavg()[0]:.1f}"
-    )
 
 
 # ---- metering model passes ----
@@ -523,7 +503,7 @@ def compare_drafts(cfg, target, distilled, prompt_ids, eos, meters, device, dtyp
 
     drafts = {"distilled": (distilled, meters[1])}
     for kind in quantize.KINDS:
-        copy = quantize.self_draft(cfg.target, kind, device=device, dtype=dtype)
+        copy = cli.self_draft(cfg.target, kind, device=device, dtype=dtype)
         drafts[f"target's {kind} copy"] = copy, Meter(copy, device)
     rows = []
     for sampled in (False, True):

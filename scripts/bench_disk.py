@@ -24,10 +24,8 @@ at each tree size, the draft's seconds per step), so the projection is checked b
 measurement beside it.
 """
 
-import argparse
 import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -38,21 +36,27 @@ from pathlib import Path
 
 import torch
 
+from scripts.common import command_line, machine
+from specexec import option
+
 HERE = Path(__file__).resolve().parents[1]  # the repository root
 
 
+# Fields in specexec.Options' form, option(default, help): other options, alike in shape only.
 @dataclass
 class DiskBenchConfig:
-    target: str = str(HERE / "models" / "target")  # the trained target to grow
-    draft: str = str(HERE / "models" / "draft")
-    layers: int = 20  # decoder layers of the grown target (the trained ones first)
-    intermediate: int = 32768  # its MLP width: about 0.1 GB per layer in float32
-    grow_to: str | None = None  # write the grown target here and exit
-    folder: str | None = None  # where the grown target goes (default: a temp folder, deleted)
-    prompts: int = 3  # held-out prompts
-    tokens: int = 48  # new tokens per prompt
-    budgets: str = "1,4,8,16,32,64,128,256,auto"
-    plot: str = str(HERE / "figures" / "bench_disk.png")
+    """The run's defaults, written once; the command line reads them (`--help`)."""
+
+    target: str = option(str(HERE / "models" / "target"), "the trained target to grow")
+    draft: str = option(str(HERE / "models" / "draft"), "the draft model folder")
+    layers: int = option(20, "decoder layers of the grown target (the trained ones first)")
+    intermediate: int = option(32768, "its MLP width: about 0.1 GB per layer in float32")
+    grow_to: str | None = option(None, "write the grown target here and exit")
+    folder: str | None = option(None, "keep the grown target here for reuse; None: a temp folder")
+    prompts: int = option(3, "held-out prompts")
+    tokens: int = option(48, "new tokens per prompt")
+    budgets: str = option("1,4,8,16,32,64,128,256,auto", "SpecExec budgets, comma-separated")
+    plot: str = option(str(HERE / "figures" / "bench_disk.png"), "where the PNG goes")
 
 
 # ---- the grown target: real bytes, the trained target's text ----
@@ -239,18 +243,6 @@ def projected_rate(row, read_s, compute):
 # ---- run, report, plot ----
 
 
-def machine():
-    """The processor (Linux's name for it), its cores, torch's threads and the load now."""
-    cpu = platform.processor() or platform.machine()
-    if Path("/proc/cpuinfo").exists():
-        names = [line for line in open("/proc/cpuinfo") if line.startswith("model name")]
-        cpu = names[0].split(":", 1)[1].strip() if names else cpu
-    return (
-        f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, "
-        f"torch {torch.__version__}; load average {os.getloadavg()[0]:.1f}"
-    )
-
-
 def run(cfg, folder):
     from transformers import AutoTokenizer
 
@@ -369,22 +361,8 @@ def save_plot(cfg, rows, read_s, compute, nbytes, started):
 
 
 def main(argv=None):
-    d = DiskBenchConfig()
-    p = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--target", default=d.target, help="the trained target to grow")
-    p.add_argument("--draft", default=d.draft, help="the draft model folder")
-    p.add_argument("--layers", type=int, default=d.layers, help="grown target's decoder layers")
-    p.add_argument("--intermediate", type=int, default=d.intermediate, help="its MLP width")
-    p.add_argument("--grow-to", default=d.grow_to, help="write the grown target here and exit")
-    p.add_argument("--folder", default=d.folder, help="keep the grown target here for reuse")
-    p.add_argument("--prompts", type=int, default=d.prompts, help="held-out prompts")
-    p.add_argument("--tokens", type=int, default=d.tokens, help="new tokens per prompt")
-    p.add_argument("--budgets", default=d.budgets, help="SpecExec budgets, comma-separated")
-    p.add_argument("--plot", default=d.plot, help="where the PNG goes")
-    cfg = DiskBenchConfig(**vars(p.parse_args(argv)))
+    parser = command_line(DiskBenchConfig, __doc__.split("\n\n")[0])
+    cfg = DiskBenchConfig(**vars(parser.parse_args(argv)))
     if cfg.grow_to:
         grow_target(cfg.target, cfg.grow_to, cfg.layers, cfg.intermediate)
         print(f"{cfg.grow_to}: the default target grown to {cfg.layers} layers x "

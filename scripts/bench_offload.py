@@ -20,7 +20,7 @@ import concurrent.futures
 import json
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -31,27 +31,32 @@ from transformers import AutoModelForCausalLM, DynamicCache
 import offload
 import offload_files
 from families import CACHE
-from scripts.bench import cpu_name
+from scripts.common import command_line, cpu_name
+from specexec import option
 
 
+# Fields in specexec.Options' form, option(default, help): other options, alike in shape only.
 @dataclass
 class BenchConfig:
-    """The benchmark's defaults, written once; the command line reads them."""
+    """The benchmark's defaults, written once; the command line reads them (`--help`)."""
 
-    tokens: str = "1,16,128,1024"  # tokens per pass, comma-separated
-    layers: int = 16  # decoder layers of the random Llama
-    hidden: int = 2048  # hidden size (heads of 64)
-    intermediate: int = 5632  # MLP size
-    vocab: int = 32000  # vocabulary size
-    buffers: int = 2  # device buffers in the ring
-    device: str = "cpu"  # cpu, or cuda: CUDA-event timers and the copy timeline
-    dtype: str = ""  # the model's dtype; empty: float16 on cuda, float32 on cpu
-    quantize: str = "int8,int4"  # cpu: quantized rows beside each tier's float one; "": none
-    threads: int = max(1, (os.cpu_count() or 2) - 1)  # cpu: all cores but the reader's
-    ram_limit_gb: float = 2.0  # cpu: RLIMIT_DATA for the ssd process, below the model's size
-    folder: str = ""  # keep the random checkpoint here; empty: a temp folder
-    quality: str = ""  # a model folder: held-out loss float vs int8 vs int4, instead of timing
-    windows: int = 10**6  # --quality: at most this many held-out windows of 512 tokens
+    tokens: str = option("1,16,128,1024", "tokens per pass, comma-separated")
+    layers: int = option(16, "decoder layers of the random Llama")
+    hidden: int = option(2048, "hidden size (heads of 64)")
+    intermediate: int = option(5632, "MLP size")
+    vocab: int = option(32000, "vocabulary size")
+    buffers: int = option(2, "device buffers in the ring")
+    device: str = field(  # a field of its own: only these two
+        default="cpu",
+        metadata={"help": "cuda: CUDA-event timers, copy timeline", "choices": ("cpu", "cuda")},
+    )
+    dtype: str = option("", "the model's dtype; empty: float16 on cuda, float32 on cpu")
+    quantize: str = option("int8,int4", "cpu: quantized rows beside each float one; '': none")
+    threads: int = option(max(1, (os.cpu_count() or 2) - 1), "cpu: all cores but the reader's")
+    ram_limit_gb: float = option(2.0, "cpu: the ssd process's RLIMIT_DATA, below the model")
+    folder: str = option("", "keep the random checkpoint here; empty: a temp folder")
+    quality: str = option("", "a model folder: held-out loss float vs int8 vs int4, not timing")
+    windows: int = option(10**6, "--quality: at most this many held-out windows of 512 tokens")
 
 
 def bench(opts: BenchConfig) -> str:
@@ -413,25 +418,8 @@ def intersection(a: tuple[float, float], b: tuple[float, float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    import argparse
-
-    d = BenchConfig()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", default=d.tokens, help="tokens per pass, comma-separated")
-    p.add_argument("--layers", type=int, default=d.layers, help="decoder layers")
-    p.add_argument("--hidden", type=int, default=d.hidden, help="hidden size (heads of 64)")
-    p.add_argument("--intermediate", type=int, default=d.intermediate, help="MLP size")
-    p.add_argument("--vocab", type=int, default=d.vocab, help="vocabulary size")
-    p.add_argument("--buffers", type=int, default=d.buffers, help="device buffers in the ring")
-    p.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
-    p.add_argument("--dtype", default=d.dtype, help="model dtype (float16 cuda, float32 cpu)")
-    p.add_argument("--quantize", default=d.quantize, help="cpu: quantized rows, e.g. int8,int4")
-    p.add_argument("--threads", type=int, default=d.threads, help="cpu compute threads")
-    p.add_argument("--ram-limit-gb", type=float, default=d.ram_limit_gb, help="cpu ssd RLIMIT_DATA")
-    p.add_argument("--folder", default=d.folder, help="keep the random checkpoint here")
-    p.add_argument("--quality", default=d.quality, help="a model folder: held-out loss instead")
-    p.add_argument("--windows", type=int, default=d.windows, help="--quality: windows at most")
-    opts = BenchConfig(**vars(p.parse_args(argv)))
+    parser = command_line(BenchConfig, __doc__.split("\n\n")[0])
+    opts = BenchConfig(**vars(parser.parse_args(argv)))
     print(quality(opts.quality, opts.windows) if opts.quality else bench(opts))
 
 

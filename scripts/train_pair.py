@@ -21,7 +21,6 @@ Seeds are fixed; the result depends on the Python version (its standard library 
 and, in the last bits, on the machine.
 """
 
-import argparse
 import hashlib
 import json
 import math
@@ -30,17 +29,19 @@ import sys
 import sysconfig
 import time
 import zlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from scripts.common import command_line
 from specexec import option
 
 # ---- config ----
 
 
+# Fields in specexec.Options' form, option(default, help): other options, alike in shape only.
 @dataclass
 class TrainConfig:
     """Training options: one source of defaults for the command line (`--help` lists them)."""
@@ -283,16 +284,7 @@ def make_prompts(root, held_out, n_prompts=24, chars=600):
 
 def parse_args(argv=None):
     """A plain argparse command line: one flag per `TrainConfig` field, its default and help."""
-    parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    for f in fields(TrainConfig):
-        flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"]
-        if f.type is bool:
-            parser.add_argument(flag, action="store_true", help=text)
-        else:
-            parser.add_argument(flag, type=f.type, default=f.default, help=text)
+    parser = command_line(TrainConfig, __doc__.split("\n\n")[0])
     cfg = TrainConfig(**vars(parser.parse_args(argv)))
     if cfg.draft_hidden < 64 or cfg.draft_hidden % 64:
         parser.error(f"--draft-hidden must be a multiple of 64, not {cfg.draft_hidden}")
