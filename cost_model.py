@@ -36,8 +36,12 @@ class CostModel:
     cost of bigger trees a few sizes at a time.
 
     The gain. For the tree of the b best nodes no deeper than d: 1 (the bonus token) plus, for
-    each node, the chance that the target follows the path to it, read off how often nodes of
-    about that draft path probability were followed so far, averaged over recent trees.
+    each node, the chance that the target walks to it: the chance it reaches the parent, times
+    the chance that there it picks this node's token. That last one is read off how often the
+    target picked a child of about this draft probability (given its parent) at a node it
+    reached so far; averaged over recent trees. Edge by edge, because a deep node of a given
+    path probability is reached far less often than a shallow one of the same: the draft's
+    confidence compounds along a path, its errors too.
 
     The second size. After the first step, one size is measured: the prompt's pass with the
     first tree. Where the target streams its weights, a pass costs their transfer, more than
@@ -59,8 +63,10 @@ class CostModel:
     other_s: float = 0.0  # seconds of the rest of a step
     step_s: dict = field(default_factory=dict)  # (budget, depth) run -> seconds of its steps
     time_scale: float = 1.0  # whole steps' seconds / their parts' (a running mean)
-    followed: list = field(default_factory=lambda: [0] * 40)  # per bin of cum_logprob
-    seen: list = field(default_factory=lambda: [0] * 40)
+    # Per bin of an edge's draft log-probability (a child's, given its parent): children of
+    # nodes the target reached, and those whose token it picked there
+    seen: list = field(default_factory=lambda: [0] * 48)
+    followed: list = field(default_factory=lambda: [0] * 48)
     gains: dict = field(default_factory=dict)  # (budget, depth) -> (E[tokens], draft passes)
     largest: int = 0  # the largest budget run so far
     steps: int = 0
@@ -77,12 +83,15 @@ class CostModel:
 
     def t_target(self, n):
         """Seconds of a target pass over n tokens: between two sizes run, on the line between
-        them; outside, on the line through the nearest two (never below the nearest)."""
+        them; outside, on the line through the nearest two (never below the nearest). A pass
+        never costs more than a bigger one: a size measured in a busy moment counts as the
+        cheapest bigger size, so that one slow pass cannot rule its size out for good."""
         sizes = sorted(self.target_s)
+        cheapest = [min(self.target_s[size] for size in sizes[i:]) for i in range(len(sizes))]
         if len(sizes) == 1:
-            return self.target_s[sizes[0]]
+            return cheapest[0]
         i = min(max(1, sum(size < n for size in sizes)), len(sizes) - 1)  # the segment
-        (n0, t0), (n1, t1) = [(size, self.target_s[size]) for size in sizes[i - 1 : i + 1]]
+        (n0, t0), (n1, t1) = zip(sizes[i - 1 : i + 1], cheapest[i - 1 : i + 1])
         seconds = t0 + (t1 - t0) / (n1 - n0) * (n - n0)
         return max(seconds, t1) if n > n1 else max(seconds, 0.0)
 
@@ -99,16 +108,16 @@ class CostModel:
 
     # ---- the gain ----
 
-    def bin(self, cum_logprob):
-        """Half-nat bins of the draft's path log-probability (at the tree's temperature)."""
-        return min(len(self.seen) - 1, int(-2 * cum_logprob))
+    def bin(self, logprob):
+        """Quarter-nat bins of an edge's draft log-probability (at the tree's temperature)."""
+        return min(len(self.seen) - 1, int(-4 * logprob))
 
-    def follow_rate(self, cum_logprob):
-        """How often the target followed nodes of this bin, with `PRIOR` nodes followed at the
-        draft's own probability: one unlucky tree must not rule trees out for good."""
-        b = self.bin(cum_logprob)
-        prior = self.PRIOR * math.exp(cum_logprob)
-        return (self.followed[b] + prior) / (self.seen[b] + self.PRIOR)
+    def follow_rate(self, logprob):
+        """How often the target, at a node it reached, picked a child of this bin; with `PRIOR`
+        children picked at the draft's own probability: a few unlucky steps must not rule
+        trees out for good."""
+        b = self.bin(logprob)
+        return (self.followed[b] + self.PRIOR * math.exp(logprob)) / (self.seen[b] + self.PRIOR)
 
     def tree_gains(self, tree, max_depth):
         """E[tokens] and draft passes of each (budget, depth) that a tree searched to max_depth
@@ -116,13 +125,20 @@ class CostModel:
         first; a search for it needs as many draft passes as it is deep. All (b, d) at once:
         a plain loop over the nodes for each depth cost 5% of a step in memory (the tests hold
         this against that loop)."""
-        cum = torch.tensor(tree.cum_logprob[1:], dtype=torch.float64)  # (n,): all but the root
-        order = torch.argsort(-cum, stable=True)  # (n,) best first; a tie: the earlier node
-        cum, depth = cum[order], torch.tensor(tree.depth[1:], dtype=torch.long)[order]  # (n,)
-        bins = (-2 * cum).long().clamp(max=len(self.seen) - 1)  # (n,): self.bin of each
-        followed = torch.tensor(self.followed, dtype=torch.float64)[bins]  # (n,)
-        seen = torch.tensor(self.seen, dtype=torch.float64)[bins]  # (n,)
-        rate = (followed + self.PRIOR * cum.exp()) / (seen + self.PRIOR)  # (n,): follow_rate
+        cum = torch.tensor(tree.cum_logprob, dtype=torch.float64)  # (n + 1,): the root first
+        parent = torch.tensor(tree.parents).clamp(min=0)  # (n + 1,)
+        depth = torch.tensor(tree.depth)  # (n + 1,)
+        edge = cum - cum[parent]  # (n + 1,): each node's draft log-probability given its parent
+        bins = (-4 * edge).long().clamp(max=len(self.seen) - 1)  # (n + 1,): self.bin of each
+        followed = torch.tensor(self.followed, dtype=torch.float64)[bins]  # (n + 1,)
+        seen = torch.tensor(self.seen, dtype=torch.float64)[bins]  # (n + 1,)
+        picked = (followed + self.PRIOR * edge.exp()) / (seen + self.PRIOR)  # follow_rate's
+        reach = torch.ones_like(cum)  # (n + 1,): the chance that the target walks to the node
+        for level in range(1, int(depth.max()) + 1):  # parents before children
+            at = (depth == level).nonzero()[:, 0]  # (nodes at this depth,)
+            reach[at] = reach[parent[at]] * picked[at]
+        order = torch.argsort(-cum[1:], stable=True)  # (n,) best first; a tie: the earlier node
+        cum, depth, rate = cum[1:][order], depth[1:][order], reach[1:][order]  # (n,) each
         depths = [d for d in self.DEPTHS if d <= max_depth]
         within = depth[None, :] <= torch.tensor(depths)[:, None]  # (n_depths, n)
         count = within.cumsum(1)  # (n_depths, n): the tree's size once each node is in
@@ -141,10 +157,11 @@ class CostModel:
 
     # ---- measuring and choosing ----
 
-    def observe(self, choice, n_fed, started, stats, tree, kept, path):
-        """What a step of `choice` = (budget, depth) cost, and which of its tree's nodes the
-        target followed. n_fed: the tokens its target pass read; started: (perf_counter(),
-        Stats) when it started, stats: its Stats now (specexec.Stats)."""
+    def observe(self, choice, n_fed, started, stats, tree, path, bonus):
+        """What a step of `choice` = (budget, depth) cost, and what the target picked at each
+        node it reached: the path's tokens, then the bonus. n_fed: the tokens its target pass
+        read; started: (perf_counter(), Stats) when it started, stats: its Stats now
+        (specexec.Stats)."""
         now, before = time.perf_counter(), started[1]
         passes = stats.draft_passes - before.draft_passes
         seconds = dict(draft=stats.time_draft - before.time_draft)
@@ -165,9 +182,12 @@ class CostModel:
             return
         self.tree_steps, self.largest = self.tree_steps + 1, max(self.largest, budget)
         self.draft_s = running_mean(self.draft_s, seconds["draft"] / passes)
-        for node in kept:
-            self.seen[self.bin(tree.cum_logprob[node])] += 1
-            self.followed[self.bin(tree.cum_logprob[node])] += node in path
+        picked = dict(zip([0, *path], [*(tree.tokens[node] for node in path), bonus]))
+        for node, parent in enumerate(tree.parents):  # every child the draft proposed there
+            if parent in picked:
+                edge = self.bin(tree.cum_logprob[node] - tree.cum_logprob[parent])
+                self.seen[edge] += 1
+                self.followed[edge] += tree.tokens[node] == picked[parent]
         for key, (gain, need) in self.tree_gains(tree, depth).items():
             old_gain, old_need = self.gains.get(key, (None, None))
             self.gains[key] = running_mean(old_gain, gain), running_mean(old_need, need)

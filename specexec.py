@@ -575,7 +575,7 @@ def speculative_step(run, seq):
     stats.tree_sizes.append(len(kept))
     stats.choices.append((budget, depth))
     if run.cost:
-        run.cost.observe((budget, depth), n_fed, started, stats, tree, kept, path)
+        run.cost.observe((budget, depth), n_fed, started, stats, tree, path, bonus)
     return [tree.tokens[node] for node in path] + [bonus]
 
 

@@ -383,6 +383,8 @@ def test_cost_model_lines_through_the_sizes_it_ran():
     assert cost.t_target(6) == pytest.approx(1.5)  # between two sizes
     assert cost.t_target(31) == pytest.approx(3.0)  # beyond: the line through the last two
     assert cost.t_target(0) == pytest.approx(0.9)  # below: the line through the first two
+    cost.target_s = {1: 1.0, 5: 3.0, 9: 2.0}  # 5 tokens measured in a busy moment
+    assert cost.t_target(5) == 2.0 and cost.t_target(3) == pytest.approx(1.5)  # as 9 tokens
 
 
 @pytest.mark.parametrize(
@@ -431,7 +433,8 @@ def test_cost_model_grows_trees_once_two_sizes_are_measured_and_deepens_to_the_n
 )
 def test_tree_gains_are_a_plain_walk_over_the_best_nodes(parents, max_depth, data):
     """Oracle: for each depth d, walk the nodes no deeper than d best first (DraftTree.rank),
-    adding each one's follow_rate; at each b in BUDGETS note the sum and the deepest node."""
+    adding the chance of reaching each (follow_rate of each edge on its path, multiplied one by
+    one up from the node); at each b in BUDGETS note the sum and the deepest node."""
     steps = st.sampled_from([0.0, -0.5, -1.0, -0.3, -2.25])  # ties, and bins' edges
     logprobs = data.draw(st.lists(steps, min_size=len(parents), max_size=len(parents)))
     cum, depth = [0.0], [0]
@@ -442,14 +445,23 @@ def test_tree_gains_are_a_plain_walk_over_the_best_nodes(parents, max_depth, dat
         list(range(len(cum))), [-1] + [p + 1 for p in parents], cum, depth, budget=len(parents)
     )
     cost = CostModel(max_depth=max_depth)
-    cost.seen = data.draw(st.lists(st.integers(0, 9), min_size=40, max_size=40))
+    cost.seen = data.draw(st.lists(st.integers(0, 9), min_size=48, max_size=48))
     cost.followed = [data.draw(st.integers(0, seen)) for seen in cost.seen]
+
+    def reach(node):
+        chance = 1.0
+        while node > 0:
+            parent = tree.parents[node]
+            chance *= cost.follow_rate(cum[node] - cum[parent])
+            node = parent
+        return chance
+
     expected = {}
     for d in (d for d in cost.DEPTHS if d <= max_depth):
         gain, deepest, b = 1.0, 0, 0
         for node in sorted(range(1, len(cum)), key=tree.rank):
             if depth[node] <= d:
-                b, gain = b + 1, gain + cost.follow_rate(cum[node])
+                b, gain = b + 1, gain + reach(node)
                 deepest = max(deepest, depth[node])
                 if b in cost.BUDGETS and d <= b:  # b nodes are never deeper than b
                     expected[(b, d)] = (gain, deepest)
@@ -471,39 +483,43 @@ def test_cost_model_measures_a_second_size_with_a_small_tree_unless_the_target_s
     assert cost.choose() != (cost.PROBE, cost.PROBE)
 
 
-def observe(cost, choice, n_fed, draft_s, target_s, passes, tree, kept, path):
+def observe(cost, choice, n_fed, draft_s, target_s, passes, tree, path, bonus=99):
     """A step of `choice` that took draft_s + target_s seconds, as speculative_step reports it."""
     after = specexec.Stats(draft_passes=passes, time_draft=draft_s, time_target=target_s)
     started = (time.perf_counter() - draft_s - target_s, specexec.Stats())
-    cost.observe(choice, n_fed, started, after, tree, kept, path)
+    cost.observe(choice, n_fed, started, after, tree, path, bonus)
 
 
 def test_cost_model_learns_from_what_the_target_followed():
     cost = CostModel(max_depth=16)
     assert cost.choose() == (cost.budget, cost.FIRST_DEPTH)  # nothing measured: the first step'
-    tree = chain_tree(4, logprob=-1.0)  # bins 2, 4, 6, 8 (half nats)
-    observe(cost, (8, 8), 100, 0.08, 9.0, 4, tree, kept=[1, 2, 3, 4], path=[1, 2])
+    # A chain of 4 whose every edge has draft log-probability -1 (bin 4, in quarter nats). The
+    # target walks to nodes 1 and 2, then picks the bonus: at the root, 1 and 2 it saw one child
+    # each and picked two of them; node 3's child was never reached, so it says nothing.
+    tree = chain_tree(4, logprob=-1.0)
+    observe(cost, (8, 8), 100, 0.08, 9.0, 4, tree, path=[1, 2])
     assert cost.target_s == {100: 9.0}  # the first pass reads the prompt: a big pass's cost,
     assert cost.step_s == {}  # but not a step's
-    observe(cost, (4, 4), 5, 0.04, 1.0, 4, tree, kept=[1, 2, 3, 4], path=[1, 2])
+    observe(cost, (4, 4), 5, 0.04, 1.0, 4, tree, path=[1, 2])
     assert cost.target_s == {100: 9.0, 5: 1.0}
     assert cost.draft_s == pytest.approx(running_mean(0.02, 0.01))  # per pass
     assert cost.step_s[(4, 4)] == pytest.approx(1.04, abs=1e-3)
-    prior = cost.PRIOR  # nodes followed at the draft's probability
-    assert cost.follow_rate(-1.0) == pytest.approx((2 + prior * math.exp(-1)) / (2 + prior))
-    assert cost.follow_rate(-3.0) == pytest.approx((0 + prior * math.exp(-3)) / (2 + prior))
+    assert (cost.seen[4], cost.followed[4]) == (6, 4) and sum(cost.seen) == 6
+    prior = cost.PRIOR  # children picked at the draft's probability
+    assert cost.follow_rate(-1.0) == pytest.approx((4 + prior * math.exp(-1)) / (6 + prior))
+    assert cost.follow_rate(-3.0) == pytest.approx(math.exp(-3))  # nothing seen: the prior
     gain, passes = cost.gains[(4, 4)]
-    rates = [cost.follow_rate(-1.0 * depth) for depth in range(1, 5)]
-    assert passes == 4 and gain == pytest.approx(1 + sum(rates), rel=0.2)  # a running mean
+    rate = cost.follow_rate(-1.0)  # to reach depth k: k edges in a row
+    assert passes == 4 and gain == pytest.approx(1 + sum(rate**k for k in range(1, 5)), rel=0.2)
 
 
 def test_cost_model_charges_what_steps_took_and_scales_what_it_predicts():
     """A (budget, depth) that ran is charged the seconds its steps took; one that did not, its
     parts, scaled by how far the parts fell short of whole steps."""
-    cost = CostModel(max_depth=8, target_s={1: 1.0, 65: 1.0}, draft_s=0.1, steps=1, largest=8)
+    cost = CostModel(max_depth=8, target_s={1: 1.0, 65: 3.0}, draft_s=0.1, steps=1, largest=8)
     tree = chain_tree(8, logprob=-0.1)
     cost.gains = cost.tree_gains(tree, max_depth=8)
-    observe(cost, (4, 4), 5, 0.8, 2.0, 4, tree, kept=[1, 2, 3, 4], path=[1, 2])  # 2.8 s
+    observe(cost, (4, 4), 5, 0.8, 2.0, 4, tree, path=[1, 2])  # 2.8 s
     assert cost.seconds((4, 4), 4) == pytest.approx(2.8, abs=1e-3)  # as it ran
     parts = 4 * 0.1 + 2.0  # 4 draft passes as predicted, the target pass as measured
     assert cost.time_scale == pytest.approx(running_mean(1.0, 2.8 / parts), rel=1e-3)
