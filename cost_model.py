@@ -7,7 +7,7 @@ over the tree and some bookkeeping, so auto takes the budget b and depth d that 
 
 Everything on the right is measured as the run goes, by `specexec.speculative_step` calling
 `observe` after each step and `choose` before the next. This file knows nothing of models: a
-tree is anything with `cum_logprob`, `depth` and `rank` (specexec.DraftTree).
+tree is anything with `tokens`, `parents`, `cum_logprob` and `depth` (specexec.DraftTree).
 """
 
 import math
@@ -72,6 +72,7 @@ class CostModel:
     steps: int = 0
     tree_steps: int = 0
     plain_steps: int = 0  # in a row
+    curve: tuple = field(default=(), init=False, repr=False)  # pass_curve's, and its target_s
 
     BUDGETS = tuple(2**k for k in range(11))  # 1 .. 1024: the tree sizes auto considers
     DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -86,14 +87,24 @@ class CostModel:
         them; outside, on the line through the nearest two (never below the nearest). A pass
         never costs more than a bigger one: a size measured in a busy moment counts as the
         cheapest bigger size, so that one slow pass cannot rule its size out for good."""
-        sizes = sorted(self.target_s)
-        cheapest = [min(self.target_s[size] for size in sizes[i:]) for i in range(len(sizes))]
+        sizes, cheapest = self.pass_curve()
         if len(sizes) == 1:
             return cheapest[0]
         i = min(max(1, sum(size < n for size in sizes)), len(sizes) - 1)  # the segment
         (n0, t0), (n1, t1) = zip(sizes[i - 1 : i + 1], cheapest[i - 1 : i + 1])
         seconds = t0 + (t1 - t0) / (n1 - n0) * (n - n0)
         return max(seconds, t1) if n > n1 else max(seconds, 0.0)
+
+    def pass_curve(self):
+        """The sizes run, ascending, and the cheapest pass at each size or above (remembered
+        until a pass is measured: `rates` reads it for every candidate)."""
+        if not self.curve or self.curve[2] != self.target_s:
+            sizes = sorted(self.target_s)
+            cheapest = [self.target_s[size] for size in sizes]
+            for i in reversed(range(len(sizes) - 1)):
+                cheapest[i] = min(cheapest[i], cheapest[i + 1])
+            self.curve = sizes, cheapest, dict(self.target_s)
+        return self.curve[:2]
 
     def from_parts(self, budget, passes):
         """A step's seconds from its parts: draft passes, one target pass, the rest."""
@@ -132,11 +143,11 @@ class CostModel:
         bins = (-4 * edge).long().clamp(max=len(self.seen) - 1)  # (n + 1,): self.bin of each
         followed = torch.tensor(self.followed, dtype=torch.float64)[bins]  # (n + 1,)
         seen = torch.tensor(self.seen, dtype=torch.float64)[bins]  # (n + 1,)
-        picked = (followed + self.PRIOR * edge.exp()) / (seen + self.PRIOR)  # follow_rate's
-        reach = torch.ones_like(cum)  # (n + 1,): the chance that the target walks to the node
-        for level in range(1, int(depth.max()) + 1):  # parents before children
-            at = (depth == level).nonzero()[:, 0]  # (nodes at this depth,)
-            reach[at] = reach[parent[at]] * picked[at]
+        picked = ((followed + self.PRIOR * edge.exp()) / (seen + self.PRIOR)).tolist()
+        reach = [1.0] * len(picked)  # the chance that the target walks to each node
+        for node, up in enumerate(tree.parents[1:], start=1):  # parents come before children
+            reach[node] = reach[up] * picked[node]
+        reach = torch.tensor(reach, dtype=torch.float64)  # (n + 1,)
         order = torch.argsort(-cum[1:], stable=True)  # (n,) best first; a tie: the earlier node
         cum, depth, rate = cum[1:][order], depth[1:][order], reach[1:][order]  # (n,) each
         depths = [d for d in self.DEPTHS if d <= max_depth]

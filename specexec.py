@@ -81,9 +81,11 @@ class Options:
 
     max_new_tokens: int = option(128, "stop after this many new tokens")
     budget: int | str = option(
-        256, 'draft tree size: nodes verified per step; "auto": chosen as it runs (CostModel)'
+        "auto",
+        'draft tree size: nodes verified per step; "auto": the size and depth with the most '
+        "tokens/s, chosen as it runs (cost_model.py)",
     )
-    max_depth: int = option(16, "max tree depth = draft passes per step")
+    max_depth: int = option(16, "max tree depth = draft passes per step (auto: at most this)")
     width: int = option(32, "beam width: nodes expanded per draft pass")
     branch: int = option(8, "children kept per expanded node")
     temperature: float = option(0.0, "0 = greedy (exact argmax)")
