@@ -140,7 +140,8 @@ def parse_args(argv=None):
         type=finite,
         metavar="GB",
         help="with --offload: device memory the target may hold; after its embeddings, head, KV "
-        "cache and ring, as many layers as fit stay resident and are never streamed",
+        "cache (the prompt, the new tokens and the largest tree: 1024 nodes with budget auto) and "
+        "ring, as many layers as fit stay resident and are never streamed",
     )
     group = parser.add_argument_group("generation (defaults: specexec.Options)")
     for f in fields(Options):  # one source of defaults and help for the API and the CLI

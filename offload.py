@@ -609,15 +609,16 @@ def from_pretrained(
             getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         )
         kv = 2 * n_layers * heads * head_dim * dtype.itemsize  # per token
-        fixed = kv * (context or config.max_position_embeddings)
+        positions = context or config.max_position_embeddings  # the KV cache's
+        fixed = kv * positions
         outside = (p for name, p in hf.named_parameters() if not name.startswith("model.layers."))
         fixed += sum(p.nbytes for p in outside)
         slots = (device_memory - fixed) / storage.slot_nbytes()  # how many fit; inf: all
         n_resident = n_layers if slots >= n_layers else int(slots) - buffers
         if n_resident < 0:
             raise OffloadError(
-                f"device_memory {device_memory / 1e9:.3f} GB: the KV cache and the head take "
-                f"{fixed / 1e9:.3f} GB, leaving too little for {buffers} layer slots"
+                f"device_memory {device_memory / 1e9:.3f} GB: the head and {positions} positions"
+                f" of KV cache take {fixed / 1e9:.3f} GB, leaving too little for {buffers} slots"
             )
     if mode == "ram":
         ram.fill(ckpt, shapes, dtype, quantize)
