@@ -49,10 +49,12 @@ class CostModel:
     its line is drawn. Where a draft pass costs more than that share, a pass's cost may grow
     with its size (compute), and the second step measures a second size with a small tree.
 
-    Budget 0 is plain decoding (E = 1, no draft pass); after `PLAIN_STEPS` of those in a row,
-    one tree step looks at the draft's predictions again. Every `DEEPEN_EVERY` tree steps whose
-    tree reaches its depth limit, the search goes to the next depth, so that auto can see
-    whether a deeper tree pays.
+    Budget 0 is plain decoding (E = 1, no draft pass). Once plain steps in a row have taken
+    `LOOK_EVERY` times what the best tree step would, one tree step looks at the draft's
+    predictions again: looking costs at most about 1 / LOOK_EVERY of the time, however dear the
+    draft (the target's own quantized copy costs what the target does). Every `DEEPEN_EVERY`
+    tree steps whose tree reaches its depth limit, the search goes to the next depth, so that
+    auto can see whether a deeper tree pays.
     """
 
     max_depth: int
@@ -71,12 +73,12 @@ class CostModel:
     largest: int = 0  # the largest budget run so far
     steps: int = 0
     tree_steps: int = 0
-    plain_steps: int = 0  # in a row
+    plain_s: float = 0.0  # seconds of plain steps in a row
     curve: tuple = field(default=(), init=False, repr=False)  # pass_curve's, and its target_s
 
     BUDGETS = tuple(2**k for k in range(11))  # 1 .. 1024: the tree sizes auto considers
     DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-    GROWTH, PLAIN_STEPS, DEEPEN_EVERY, PRIOR = 4, 4, 4, 4
+    GROWTH, LOOK_EVERY, DEEPEN_EVERY, PRIOR = 4, 20, 4, 4
     FIRST_DEPTH = 8  # the first tree's: its gains up to 8 deep, then deeper as it pays
     STREAMED, PROBE = 100, 4  # draft passes a target pass outlasts when it streams; a probe
 
@@ -188,7 +190,7 @@ class CostModel:
             self.step_s[choice] = running_mean(self.step_s.get(choice), step)
             self.other_s = running_mean(self.other_s if self.steps > 1 else None, seconds["other"])
         self.steps += 1
-        self.plain_steps = 0 if budget else self.plain_steps + 1
+        self.plain_s = 0.0 if budget else self.plain_s + step
         if not budget:
             return
         self.tree_steps, self.largest = self.tree_steps + 1, max(self.largest, budget)
@@ -223,8 +225,9 @@ class CostModel:
         if len(self.target_s) == 1 and self.STREAMED * self.draft_s > self.t_target(0):
             return self.PROBE, min(self.PROBE, self.max_depth)  # a second size, cheaply
         rates = self.rates()
-        if self.plain_steps >= self.PLAIN_STEPS:  # look at the draft again
-            rates.pop((0, 0))
+        look = max((choice for choice in rates if choice[0]), key=rates.get, default=None)
+        if look and self.plain_s >= self.LOOK_EVERY * self.seconds(look, self.gains[look][1]):
+            rates.pop((0, 0))  # the best tree step: look at the draft again
         self.budget, self.depth = max(rates, key=rates.get)
         deepest = self.gains[(self.budget, self.depth)][1] if self.budget else 0
         reaches_limit = self.depth < self.budget and deepest >= self.depth  # deeper may pay

@@ -471,6 +471,18 @@ def test_tree_gains_are_a_plain_walk_over_the_best_nodes(parents, max_depth, dat
         assert gains[key] == (pytest.approx(gain, rel=1e-12), deepest)
 
 
+def test_cost_model_looks_at_the_draft_again_after_plain_steps_worth_many_tree_steps():
+    """Plain decoding chosen: a tree step comes again once plain steps in a row have taken
+    LOOK_EVERY times what that tree step would, so looking is a small share of the time."""
+    cost = CostModel(max_depth=8, target_s={1: 0.01, 9: 0.5}, draft_s=0.1, largest=8, tree_steps=1)
+    cost.gains = {(8, 4): (3.0, 4)}  # a tree step: 4 draft passes + a pass over 9 = 0.9 s
+    assert cost.choose() == (0, 0)  # 3 tokens in 0.9 s; plain decoding 1 in 0.01 s
+    cost.plain_s = cost.LOOK_EVERY * 0.9 * 0.99
+    assert cost.choose() == (0, 0)
+    cost.plain_s = cost.LOOK_EVERY * 0.9
+    assert cost.choose() == (8, 4)
+
+
 def test_cost_model_measures_a_second_size_with_a_small_tree_unless_the_target_streams():
     """One size measured (the prompt's pass): where that pass outlasts STREAMED draft passes the
     target streams its weights and the first tree stays; otherwise a small tree probes."""

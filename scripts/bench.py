@@ -526,7 +526,8 @@ def compare_drafts(cfg, target, distilled, prompt_ids, eos, meters, device, dtyp
         reference, *mine = measure_interleaved(methods, prompt_ids, setting)
         for row in mine:
             row.exact = "yes" if row.outputs == reference.outputs else "NO"
-        rows += mine
+        reference.method, reference.exact = "none: plain decoding", "reference"
+        rows += [reference, *mine]
     for name, (draft, _) in drafts.items():
         if name != "distilled":
             draft.close()
@@ -536,8 +537,9 @@ def compare_drafts(cfg, target, distilled, prompt_ids, eos, meters, device, dtyp
     print("|---|---|---:|---:|---:|---:|---:|---:|---|")
     for r in rows:
         print(
-            f"| {r.setting} | {r.method} | {r.budget} | {r.tokens_per_pass:.2f} "
-            f"| {r.draft_passes / r.target_passes:.1f} | {1e3 * r.draft_s / r.draft_passes:.1f} "
+            f"| {r.setting} | {r.method} | {r.budget or ''} | {r.tokens_per_pass:.2f} "
+            f"| {r.draft_passes / r.target_passes:.1f} "
+            f"| {1e3 * r.draft_s / max(1, r.draft_passes):.1f} "
             f"| {1e3 * r.target_s / r.target_passes:.1f} | {r.rate:.1f} | {r.exact} |"
         )
     by_row = {(r.setting, r.method, r.budget): r for r in rows}
