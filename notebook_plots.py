@@ -296,7 +296,7 @@ def plot_cost_model(passes, cost, measured, predicted, choice, title):
         color="tab:blue",
         label="predicted by the cost model",
     )
-    middle.set_xlabel("budget (depth 16)")
+    middle.set_xlabel("budget b (depth 16, or b if less)")
     middle.set_ylabel("tokens per target pass")
     middle.set_title("Gain: tokens per step")
     middle.legend(frameon=False)
@@ -314,7 +314,7 @@ def plot_cost_model(passes, cost, measured, predicted, choice, title):
         [r for _, r in predicted.values()],
         "s--",
         color="tab:blue",
-        label="predicted (depth 16)",
+        label="predicted (depth 16, or b)",
     )
     auto = measured["auto"]
     right.axhline(auto.tokens_per_second, color="tab:red", ls=":", label="auto, measured")
