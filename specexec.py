@@ -149,9 +149,14 @@ class Stats:
 
     def summary(self):
         """One line: what was made, per target pass and per second, and where the time went."""
-        passes = f"{self.steps} target pass{'es' * (self.steps != 1)}"
+
+        def count(n, one, many):  # "1 token", "2 tokens"
+            return f"{n} {one if n == 1 else many}"
+
         line = (
-            f"{self.new_tokens} tokens in {passes} ({self.tokens_per_step:.2f} per pass), "
+            f"{count(self.new_tokens, 'token', 'tokens')} in "
+            f"{count(self.steps, 'target pass', 'target passes')} "
+            f"({self.tokens_per_step:.2f} per pass), "
             f"{self.tokens_per_second:.3g} tokens/s; draft {self.time_draft:.2f}s, target "
             f"{self.time_target:.2f}s, other {self.time_other:.2f}s"
         )
@@ -162,7 +167,8 @@ class Stats:
             if len(set(trees)) > 1:
                 line += f" in {n} of {len(self.choices)} steps"
         if len(trees) < len(self.choices):
-            line += f"; plain decoding (no tree) in {len(self.choices) - len(trees)} steps"
+            plain = count(len(self.choices) - len(trees), "step", "steps")
+            line += f"; plain decoding (no tree) in {plain}"
         return line
 
 

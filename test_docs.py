@@ -106,4 +106,4 @@ def test_readme_api_snippet_runs_from_outside_the_repo(tmp_path):
     prompt = ast.literal_eval(re.search(r"^prompt = (.*)$", code, re.M).group(1))
     text, summary = run.stdout.rstrip("\n").rsplit("\n", 1)
     assert text.startswith(prompt) and text[len(prompt) :].strip(), run.stdout  # a continuation
-    assert re.match(r"\d+ tokens in \d+ target pass(es)? \(.* per pass\)", summary), summary
+    assert re.match(r"\d+ tokens? in \d+ target pass(es)? \(.* per pass\)", summary), summary

@@ -696,6 +696,16 @@ def test_a_tensor_prompt_equals_a_list_prompt():
         assert specexec.generate(target, target, ids, max_new_tokens=6)[0] == expected
 
 
+def test_summary_says_what_a_step_is_and_counts_in_words():
+    """One line a user reads: a step is a target pass; one token, one pass, one step."""
+    stats = specexec.Stats(steps=1, new_tokens=1, choices=[(32, 8)], time_total=0.5)
+    assert stats.summary().startswith("1 token in 1 target pass (1.00 per pass), 2 tokens/s;")
+    assert stats.summary().endswith("; budget 32, depth 8")
+    stats = specexec.Stats(steps=3, new_tokens=5, choices=[(4, 2), (0, 0), (4, 2)])
+    assert stats.summary().startswith("5 tokens in 3 target passes (1.67 per pass)")
+    assert stats.summary().endswith("; budget 4, depth 2; plain decoding (no tree) in 1 step")
+
+
 def test_draft_larger_than_target_or_missing_the_targets_pick_is_a_clear_error():
     small = tiny_model("llama", 1, vocab=32, init=0.5)
     target = tiny_model("llama", 0, init=0.5)
