@@ -13,8 +13,7 @@ tree is anything with `tokens`, `parents`, `cum_logprob` and `depth` (specexec.D
 import math
 import time
 from dataclasses import dataclass, field
-
-import torch
+from itertools import accumulate
 
 
 def running_mean(old, new, weight=0.3):
@@ -135,38 +134,24 @@ class CostModel:
     def tree_gains(self, tree, max_depth):
         """E[tokens] and draft passes of each (budget, depth) that a tree searched to max_depth
         can show. The tree of the b best nodes no deeper than d is the first b of them, best
-        first; a search for it needs as many draft passes as it is deep. All (b, d) at once:
-        a plain loop over the nodes for each depth cost 5% of a step in memory (the tests hold
-        this against that loop)."""
-        cum = torch.tensor(tree.cum_logprob, dtype=torch.float64)  # (n + 1,): the root first
-        parent = torch.tensor(tree.parents).clamp(min=0)  # (n + 1,)
-        depth = torch.tensor(tree.depth)  # (n + 1,)
-        edge = cum - cum[parent]  # (n + 1,): each node's draft log-probability given its parent
-        bins = (-4 * edge).long().clamp(max=len(self.seen) - 1)  # (n + 1,): self.bin of each
-        followed = torch.tensor(self.followed, dtype=torch.float64)[bins]  # (n + 1,)
-        seen = torch.tensor(self.seen, dtype=torch.float64)[bins]  # (n + 1,)
-        picked = ((followed + self.PRIOR * edge.exp()) / (seen + self.PRIOR)).tolist()
-        reach = [1.0] * len(picked)  # the chance that the target walks to each node
-        for node, up in enumerate(tree.parents[1:], start=1):  # parents come before children
-            reach[node] = reach[up] * picked[node]
-        reach = torch.tensor(reach, dtype=torch.float64)  # (n + 1,)
-        order = torch.argsort(-cum[1:], stable=True)  # (n,) best first; a tie: the earlier node
-        cum, depth, rate = cum[1:][order], depth[1:][order], reach[1:][order]  # (n,) each
-        depths = [d for d in self.DEPTHS if d <= max_depth]
-        within = depth[None, :] <= torch.tensor(depths)[:, None]  # (n_depths, n)
-        count = within.cumsum(1)  # (n_depths, n): the tree's size once each node is in
-        gain = 1 + (rate * within).cumsum(1)  # (n_depths, n): 1 for the bonus token
-        deepest = (depth * within).cummax(1).values  # (n_depths, n)
-        budgets = torch.tensor(self.BUDGETS).expand(len(depths), -1).contiguous()
-        at = torch.searchsorted(count, budgets).clamp(max=max(len(cum) - 1, 0))  # (n_depths, 11)
-        shown = (budgets <= count[:, -1:]).tolist() if len(cum) else []  # the tree holds b
-        gain, deepest = gain.gather(1, at).tolist(), deepest.gather(1, at).tolist()
-        return {
-            (b, d): (gain[i][j], deepest[i][j])
-            for i, d in enumerate(depths)
-            for j, b in enumerate(self.BUDGETS)
-            if shown[i][j] and d <= b  # b nodes are never deeper than b: more passes buy nothing
-        }
+        first; a search for it needs as many draft passes as it is deep. Plain Python: a tree
+        is a few hundred nodes, and each torch call costs microseconds (the tests hold this
+        against a walk up from every node)."""
+        cum, parents, depth = tree.cum_logprob, tree.parents, tree.depth  # (n + 1,): the root first
+        reach = [1.0] * len(cum)  # the chance that the target walks to each node
+        for node in range(1, len(cum)):  # parents come before children
+            up = parents[node]
+            reach[node] = reach[up] * self.follow_rate(cum[node] - cum[up])
+        best_first = sorted(range(1, len(cum)), key=cum.__getitem__, reverse=True)  # stable
+        gains = {}
+        for d in (d for d in self.DEPTHS if d <= max_depth):
+            nodes = [node for node in best_first if depth[node] <= d]
+            gain = list(accumulate((reach[node] for node in nodes), initial=1.0))  # 1: the bonus
+            deepest = list(accumulate((depth[node] for node in nodes), max))
+            for b in self.BUDGETS:
+                if d <= b <= len(nodes):  # b nodes are never deeper than b: more passes buy nothing
+                    gains[(b, d)] = gain[b], deepest[b - 1]
+        return gains
 
     # ---- measuring and choosing ----
 
