@@ -152,7 +152,7 @@ def parse_args(argv=None):
             "--" + f.name.replace("_", "-"),
             type=finite if real else count_or_auto if f.type == int | str else int,
             default=f.default,
-            metavar="X" if real else "N",
+            metavar="X" if real else "N|auto" if f.type == int | str else "N",
             help=text,
         )
     group = parser.add_argument_group("output")

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -107,6 +108,25 @@ def rejected_by_options(**options):
     except specexec.SpecExecError:
         return True
     return False
+
+
+def test_help_lists_every_generation_option_with_its_default(capsys):
+    """`--help` is built from specexec.Options: each field is there with its default, and the
+    budget says it takes "auto"."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.parse_args(["--help"])
+    assert exit_.value.code == 0
+    entries = [" ".join(entry.split()) for entry in re.split(r"\n(?=  -)", capsys.readouterr().out)]
+    for f in fields(specexec.Options):
+        flag = "--" + f.name.replace("_", "-")
+        entry = next(entry for entry in entries if entry.startswith(flag + " "))
+        metavar = (
+            "N|auto" if f.name == "budget" else "X" if f.type in (float, float | None) else "N"
+        )
+        assert entry.startswith(f"{flag} {metavar} "), entry
+        assert "(default: " in entry, entry
+        if "default" not in f.metadata["help"]:  # else the help says it in words
+            assert entry.endswith(f"(default: {f.default})"), entry
 
 
 def test_bad_options_fail_in_one_line(tmp_path):
