@@ -33,6 +33,7 @@ refills a staging chunk whose copy may still be running, and once at the end of 
 
 import concurrent.futures
 import copy
+import math
 import os
 import time
 from collections import deque, namedtuple
@@ -45,9 +46,10 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-import offload_files as files
-import quantize as quant
-from offload_files import OffloadError
+from specexec_tools import checkpoint as files
+from specexec_tools import models
+from specexec_tools import quantize as quant
+from specexec_tools.checkpoint import OffloadError
 
 # Layer buffers and the ranges read into them start on page boundaries: any dtype can view the
 # bytes there, and O_DIRECT reads (whole, aligned pages) can land there.
@@ -544,7 +546,7 @@ class OffloadedCausalLM(nn.Module):
 
 
 def from_pretrained(
-    name_or_path: str | os.PathLike,
+    name_or_path: "str | os.PathLike | models.Opened",
     *,
     mode: str = "ram",
     device: str | torch.device | Cpu | None = None,
@@ -555,7 +557,8 @@ def from_pretrained(
     device_memory: float | None = None,
     context: int | None = None,
 ) -> OffloadedCausalLM:
-    """An offloaded causal LM from a model folder or hub id (decoder layers at `model.layers`).
+    """An offloaded causal LM from a model folder, a hub id or a folder models.open_model has
+    opened and checked already (decoder layers at `model.layers`).
 
     mode "ram": every layer in one host arena; "ssd": layers read from safetensors every pass
     (the checkpoint's own files when their dtype fits, else a per-layer copy made in offload_dir,
@@ -577,20 +580,16 @@ def from_pretrained(
         raise OffloadError(f"quantize must be None, 'int8' or 'int4', not {quantize!r}")
     ops = device  # the device's operations: Cpu, Cuda, or a test's fake
     if not isinstance(device, Cpu):
-        device = files.as_device(device)
+        device = models.as_device(device)
         ops = Cuda(device) if device.type == "cuda" else Cpu()
-    folder = files.find_folder(str(name_or_path))
-    config, generation = files.load_configs(folder)  # refuses what a tree pass cannot run
+    opened = models.open_model(name_or_path)  # refused here iff in memory too
+    config, ckpt = opened.config, opened.checkpoint
+    dtype = models.as_dtype(dtype) or ckpt.dtype
+    models.check_dtype_runs(ops.device, dtype)
     # the model on meta costs nothing; only the parts that stay on the device get real tensors
-    dtype = files.as_dtype(dtype)
-    if dtype is not None:  # before anything is built in it
-        files.check_dtype_runs(ops.device, dtype)
-    ckpt, hf = files.open_checkpoint(folder, config, dtype)  # refused here iff in memory too
-    if dtype is None:
-        dtype = ckpt.dtype
-        files.check_dtype_runs(ops.device, dtype)
+    hf = opened.skeleton(dtype)
     shapes = ckpt.check_layers(hf, quantize)  # what each decoder layer holds, the same for all
-    files.load_weights(ckpt, hf, ops.device, dtype, generation, layers=False)
+    models.load_weights(opened, hf, ops.device, dtype, layers=False)
 
     converted, n_layers = None, config.num_hidden_layers
     if mode == "ram":  # the arena, filled once the budget below is known to hold
@@ -625,3 +624,17 @@ def from_pretrained(
     model = OffloadedCausalLM(hf, storage, buffers, ops, n_resident)
     model.converted_folder = converted
     return model
+
+
+def self_draft(target, kind: str, **options) -> OffloadedCausalLM:
+    """The target's own int8 or int4 copy as SpecExec's draft (SubSpec, 2025): the same
+    tokenizer by construction and no second checkpoint. Every layer resident (nothing streams);
+    `target` a folder, hub id or models.Opened, `options` as from_pretrained's (device, dtype).
+
+    Each layer's buffer holds its weights dequantized into `dtype` beside the quantized bytes,
+    and the matmuls run on those (no int8 / int4 kernels here): it computes exactly the quantized
+    model, but holds more than the full model's bytes on the device, not a quarter of them.
+    """
+    if kind not in quant.KINDS:
+        raise OffloadError(f"a self-draft is 'int8' or 'int4', not {kind!r}")
+    return from_pretrained(target, mode="ram", quantize=kind, device_memory=math.inf, **options)

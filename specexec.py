@@ -8,10 +8,10 @@ a pass over a thousand tokens costs about as much as a pass over one. So a small
 model grows a large tree of likely continuations, best-first by cumulative draft
 probability, and keeps the `budget` most probable nodes. The target then scores the whole
 tree in ONE pass, with an attention mask that lets each node see only its ancestors. We walk
-the tree from the root, following the target's own choice at each node while that choice is
-a child in the tree, and finish with the target's choice at the last node reached (the
-bonus token). Every token is the target's own choice, so the output is exactly what the
-target alone would produce: its greedy decoding at temperature 0, an exact sample otherwise.
+the tree from the root, following the target's own pick at each node while that pick is a
+child in the tree, and finish with the target's pick at the last node reached (the bonus
+token). Every token is the target's own pick, so the output is exactly what the target alone
+would produce: its greedy decoding at temperature 0, an exact sample otherwise.
 
 Words of the paper -> names in the code:
 
@@ -24,6 +24,7 @@ Words of the paper -> names in the code:
     cumulative (path) probability         cum_logprob   (log of the draft's path probability,
                                                          at `Options.tree_temperature()`)
     last accepted, not yet seen token     root          (the "pending" token; the tree's root)
+    the target's next token at a node     pick          (argmax, or one exact sample)
     bonus token                           bonus
     one target forward pass               a step        (Stats.steps)
 
@@ -33,40 +34,30 @@ include its last token (the root of the next tree); a model is always fed the pa
 its cache lacks (the "trunk") before anything else. The first step's trunk is the prompt.
 `speculative_step` checks the invariant at the end of every step.
 
-This file, top-down in the order a step runs: config (Options, Stats, and Run, a generation's
-state) -> sampling -> draft tree -> tree attention mask -> verification and acceptance -> the
-step -> the loop -> the plain-decoding baseline. Beside it: checks.py (what a user hands in),
-cost_model.py (budget "auto": the b and d that maximise E[tokens](b, d) / (d * t_draft +
-t_target(b + 1) + t_other)), families.py (which models a tree pass runs, and their windows).
+Top-down, in the order a step runs: options -> sampling -> draft tree -> tree attention mask ->
+verification and acceptance -> the step -> the loop -> the plain baseline -> what a run did;
+plumbing last. The loop asks a policy for each step's budget and depth: a fixed one here, or
+budget "auto" (specexec_tools/cost_model.py). Models are checked and loaded by
+specexec_tools/models.py; `python specexec.py` is specexec_tools/cli.py.
 """
-
-if __name__ == "__main__":  # `python specexec.py`: the command line, before the slow imports below
-    import cli  # (it imports this file as `specexec`, and exits quietly on Ctrl-C meanwhile)
-
-    cli.main()
-    raise SystemExit
 
 import heapq
 import math
+import numbers
+import sys
 import time
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 
-import torch
+try:  # torch takes seconds to import: Ctrl-C meanwhile exits as it does later (130, quietly)
+    import torch
 
-from checks import (  # what a user hands in, each refused in one line (SpecExecError)
-    SpecExecError,
-    check_draft_vocab,
-    check_options,
-    context_length,
-    prompt_tokens,
-    stop_tokens,
-)
-from cost_model import CostModel  # budget "auto": the tree size with the most tokens/s
-from families import CACHE, attention_windows  # the cache's keyword; each layer's reach
+    from specexec_tools.models import CACHE, SpecExecError, attention_windows, preflight
+except KeyboardInterrupt:
+    sys.exit(130)
 
-# ---- config ----
+# ---- options ----
 
 
 def option(default, help):
@@ -77,13 +68,13 @@ def option(default, help):
 @dataclass
 class Options:
     """Generation options: one source of defaults for `generate`, `autoregressive` and the CLI.
-    Checked when made (checks.check_options)."""
+    Checked when made (`check_options`, at the end of this file)."""
 
     max_new_tokens: int = option(128, "stop after this many new tokens")
     budget: int | str = option(
         "auto",
         'draft tree size: nodes verified per step; "auto": the size and depth with the most '
-        "tokens/s, chosen as it runs (cost_model.py)",
+        "tokens/s, chosen as it runs (specexec_tools/cost_model.py)",
     )
     max_depth: int = option(16, "max tree depth = draft passes per step (auto: at most this)")
     width: int = option(32, "beam width: nodes expanded per draft pass")
@@ -93,7 +84,7 @@ class Options:
     top_k: int = option(0, "sample from the k most likely (0 = off)")
     seed: int | None = option(None, "random seed for sampling (default: a fresh one)")
     draft_threads: int | None = option(
-        1, "CPU threads for the draft's passes (None: torch's setting); output is unchanged"
+        1, "CPU threads for the draft's passes (0: torch's setting); output is unchanged"
     )
     draft_temperature: float | None = option(
         None,
@@ -106,125 +97,38 @@ class Options:
 
     def tree_temperature(self):
         """The draft's temperature when it ranks tree nodes. The tree should hold the paths the
-        target is most likely to follow. Sampling at temperature t, that is the draft's path
-        probability at t. Greedy, the target follows the draft's top choice more often than a
-        flat draft's probability says, so a sharpened draft (0.3) ranks paths better and grows
-        deeper trees (docs/results.md measures it). Neither changes what is emitted."""
+        target is most likely to follow: sampling at temperature t, the draft's path probability
+        at t; greedy, a sharpened draft (0.3), as the target follows the draft's top choice more
+        often than a flat draft's probability says (docs/results.md). Neither changes the output."""
         if self.draft_temperature is not None:
             return self.draft_temperature
         return self.temperature if self.temperature > 0 else 0.3
 
 
 @dataclass
-class Stats:
-    """What a run did. `steps` counts target forward passes."""
-
-    steps: int = 0
-    new_tokens: int = 0
-    draft_passes: int = 0
-    emitted: list = field(default_factory=list)  # tokens per step: accepted path + bonus
-    tree_sizes: list = field(default_factory=list)  # nodes verified per step
-    choices: list = field(default_factory=list)  # (budget, depth) per step; budget 0: no tree
-    cost_model: CostModel | None = None  # budget "auto": what it measured and predicted
-    time_draft: float = 0.0
-    time_target: float = 0.0
-    time_total: float = 0.0
-
-    @property
-    def tokens_per_step(self):
-        return self.new_tokens / max(1, self.steps)
-
-    @property
-    def tokens_per_second(self):
-        return self.new_tokens / max(1e-9, self.time_total)
-
-    @property
-    def time_other(self):
-        return self.time_total - self.time_draft - self.time_target
-
-    @property
-    def histogram(self):
-        """How many steps gained k tokens, for each k."""
-        return dict(sorted(Counter(self.emitted).items()))
-
-    def summary(self):
-        """One line: what was made, per target pass and per second, and where the time went."""
-
-        def count(n, one, many):  # "1 token", "2 tokens"
-            return f"{n} {one if n == 1 else many}"
-
-        line = (
-            f"{count(self.new_tokens, 'token', 'tokens')} in "
-            f"{count(self.steps, 'target pass', 'target passes')} "
-            f"({self.tokens_per_step:.2f} per pass), "
-            f"{self.tokens_per_second:.3g} tokens/s; draft {self.time_draft:.2f}s, target "
-            f"{self.time_target:.2f}s, other {self.time_other:.2f}s"
-        )
-        trees = [choice for choice in self.choices if choice[0]]
-        if trees:  # SpecExec, not the baseline
-            (budget, depth), n = Counter(trees).most_common(1)[0]
-            line += f"; budget {budget}, depth {depth}"
-            if len(set(trees)) > 1:
-                line += f" in {n} of {len(self.choices)} steps"
-        if len(trees) < len(self.choices):
-            plain = count(len(self.choices) - len(trees), "step", "steps")
-            line += f"; plain decoding (no tree) in {plain}"
-        return line
-
-
-@dataclass
 class Run:
-    """One generation's state, carried from step to step: the models, their caches, the
-    options, the random numbers the target's choices draw and what the run did so far."""
+    """One generation's state, carried from step to step: the models, their caches, the options
+    and the random numbers the target's picks draw."""
 
     target: object  # any causal LM with Hugging Face's call signature (offload.py's too)
     draft: object | None  # None: plain decoding (`autoregressive`)
     opts: Options
     limit: int  # positions both models can use (the shorter context)
     rng: torch.Generator | None = None  # default: seeded with opts.seed
-    stats: Stats = field(default_factory=Stats)
     target_cache: object = None  # a DynamicCache each, made empty by default
     draft_cache: object = None
-    cost: CostModel | None = None  # budget "auto": made by default
 
     def __post_init__(self):
         from transformers import DynamicCache
 
-        seed = self.opts.seed if self.opts.seed is not None else torch.seed()
-        self.rng = torch.Generator().manual_seed(seed) if self.rng is None else self.rng
+        self.seed = self.opts.seed if self.opts.seed is not None else torch.seed()
+        self.rng = torch.Generator().manual_seed(self.seed) if self.rng is None else self.rng
         self.target_cache = DynamicCache() if self.target_cache is None else self.target_cache
         if self.draft is not None and self.draft_cache is None:
             self.draft_cache = DynamicCache()
-        if self.opts.budget == "auto" and self.cost is None:
-            self.stats.cost_model = self.cost = CostModel(max_depth=self.opts.max_depth)
 
 
-@contextmanager
-def timer(stats, name, device):
-    """Add the wall time of a block to `stats.<name>`; wait for the GPU so the split is true."""
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else lambda: None
-    sync()
-    start = time.perf_counter()
-    yield
-    sync()
-    setattr(stats, name, getattr(stats, name) + time.perf_counter() - start)
-
-
-@contextmanager
-def cpu_threads(n, device):
-    """Run a block on `n` CPU threads (n None, or a GPU: as it is). A draft pass is a few small
-    matmuls: more threads do not make it faster, and on a busy CPU they wait for each other
-    (README, "Where the time goes")."""
-    before = torch.get_num_threads()
-    if n is not None and torch.device(device).type == "cpu":
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
-# ---- sampling helpers ----
+# ---- sampling ----
 
 
 def sampling_probs(logits, temperature, top_k, top_p):
@@ -244,22 +148,22 @@ def sampling_probs(logits, temperature, top_k, top_p):
     return probs / probs.sum()
 
 
-def choose(logits, opts, rng):
+def pick(logits, opts, rng):
     """The target's pick: argmax at temperature 0, else one sample (one uniform draw)."""
     if opts.temperature == 0:
         return int(logits.argmax())
     probs = sampling_probs(logits, opts.temperature, opts.top_k, opts.top_p).cpu()  # (vocab,)
     cdf = probs.cumsum(0)  # (vocab,)
     u = torch.rand((), generator=rng, dtype=torch.float64) * cdf[-1]
-    # The first token whose cdf exceeds u; zero-probability tokens can never be chosen.
+    # The first token whose cdf exceeds u; zero-probability tokens can never be picked.
     return int(torch.searchsorted(cdf, u, right=True))
 
 
 def check_finite(logits, role):
     """NaN or inf logits (broken weights, a negative rms_norm_eps) would pick token 0 or garbage
-    and run on; checked once per pass, on the rows the pass's choices are made from. A NaN or
-    inf anywhere makes the sum NaN or inf: one reduction, 20x cheaper than isfinite().all(),
-    summed in float32 so that half-precision logits cannot overflow it."""
+    and run on; checked once per pass, on the rows the pass's picks are made from. A NaN or inf
+    anywhere makes the sum NaN or inf: one reduction, 20x cheaper than isfinite().all(), summed
+    in float32 so that half-precision logits cannot overflow it."""
     if not math.isfinite(logits.sum(dtype=torch.float32)):
         raise SpecExecError(
             f"the {role} model computes logits that are not finite (NaN or inf): "
@@ -274,9 +178,10 @@ def check_finite(logits, role):
 class DraftTree:
     """Every node the draft discovered. Node 0 is the root: the last token of `seq`.
 
-    Nodes are ranked by `rank`, best first. Two heaps hold ranks: `candidates`, the nodes found
-    but not yet fed to the draft, give up their best first (`pop_candidates`); `best_nodes`,
-    the `budget` best found so far, give up their worst first, to a better newcomer (`keep`).
+    Nodes are ranked by `rank`, best first. Two heaps hold (sort key, node): `candidates`, the
+    nodes found but not yet fed to the draft, give up their best first (`pop_candidates`);
+    `best_nodes`, the `budget` best found so far, give up their worst first, to a better
+    newcomer (`admit`). The node is each entry's last item.
     """
 
     tokens: list  # token of each node
@@ -284,9 +189,10 @@ class DraftTree:
     cum_logprob: list  # draft log-probability of the path from the root (root: 0)
     depth: list  # edges from the root (root: 0)
     budget: int  # how many nodes (besides the root) the target will verify
-    candidates: list = field(default_factory=list)  # heap of rank(node): best on top
-    best_nodes: list = field(default_factory=list)  # heap of worst_first(node): worst on top
+    candidates: list = field(default_factory=list)  # heap of (rank, node): best on top
+    best_nodes: list = field(default_factory=list)  # heap of (worst_first, node): worst on top
     fed: list = field(default_factory=list)  # nodes (not the root) in the draft's cache, in order
+    draft_passes: int = 0  # passes that grew it (the first feeds the trunk too)
 
     def rank(self, node):
         """Sorts nodes best first: higher cum_logprob; on a tie the earlier node, so parents
@@ -294,7 +200,7 @@ class DraftTree:
         return (-self.cum_logprob[node], node)
 
     def worst_first(self, node):
-        """Sorts nodes worst first: the rank, negated."""
+        """Sorts nodes worst first: the rank, reversed."""
         return (self.cum_logprob[node], -node)
 
     def add_children(self, nodes, logprobs, branch):
@@ -313,16 +219,17 @@ class DraftTree:
                 self.depth.append(self.depth[node] + 1)
                 # A node that cannot enter the best nodes never will (they only get better),
                 # nor will its children (they rank below it): it is no candidate either.
-                if self.keep(child):
-                    heapq.heappush(self.candidates, self.rank(child))
+                if self.admit(child):
+                    heapq.heappush(self.candidates, (self.rank(child), child))
 
-    def keep(self, node):
+    def admit(self, node):
         """Put `node` among the best nodes, pushing out the worst once there are `budget`;
         whether it stays (False: it was the worst itself)."""
+        entry = (self.worst_first(node), node)
         if len(self.best_nodes) < self.budget:
-            heapq.heappush(self.best_nodes, self.worst_first(node))
+            heapq.heappush(self.best_nodes, entry)
             return True
-        return heapq.heappushpop(self.best_nodes, self.worst_first(node)) != self.worst_first(node)
+        return heapq.heappushpop(self.best_nodes, entry) != entry
 
     def pop_candidates(self, width):
         """Up to `width` candidates, best first, that may still give a best node.
@@ -331,22 +238,23 @@ class DraftTree:
         worth nothing: its children would rank below it, and the best nodes only get better.
         """
         full = len(self.best_nodes) == self.budget
-        worst = (-self.best_nodes[0][0], -self.best_nodes[0][1]) if full else None  # its rank
+        worst = self.rank(self.best_nodes[0][-1]) if full else None
         batch = []
         while self.candidates and len(batch) < width:
-            if full and self.candidates[0] >= worst:
+            if full and self.candidates[0][0] >= worst:
                 break
-            batch.append(heapq.heappop(self.candidates)[1])
+            batch.append(heapq.heappop(self.candidates)[-1])
         return batch
 
     def best(self):
-        """The `budget` most probable nodes except the root, parents before children.
+        """The `budget` most probable nodes except the root, parents before children: the nodes
+        the target verifies.
 
         This set is always a tree (closed under ancestors): a child's path is its parent's
         path times one more probability <= 1, so the child never ranks above its parent,
         and ties go to the earlier node, which the parent is.
         """
-        return sorted(-negated_node for _, negated_node in self.best_nodes)
+        return sorted(node for _, node in self.best_nodes)
 
     def local_parents(self, nodes):
         """Each node's parent as an index into `nodes` (-1: the root), as `tree_mask` takes them.
@@ -357,25 +265,23 @@ class DraftTree:
         return [index[self.parents[node]] for node in nodes]
 
 
-def grow_tree(run, seq, budget=None, max_depth=None):
+def grow_tree(run, seq, budget, max_depth):
     """Best-first search for the `budget` most probable continuations of `seq`.
 
     A heap holds the candidates: nodes discovered but not yet fed to the draft. Each draft
     pass takes the `width` best of them, runs them in one tree-masked batch (reusing the
     cache of the prefix and of all nodes fed before), and pushes each one's `branch` best
     children. Passes per tree are bounded by the depth, whatever the budget: `max_depth`, less
-    near the end of the context (`run.limit` positions). Both default to `run.opts`'.
+    near the end of the context (`run.limit` positions).
     """
     draft, cache, opts = run.draft, run.draft_cache, run.opts
-    budget = opts.budget if budget is None else budget
-    max_depth = opts.max_depth if max_depth is None else max_depth
     # Pass 1: feed the trunk (what the draft's cache lacks, ending with the root).
     trunk = seq[cache.get_seq_length() :]
     if max(trunk) >= draft.config.vocab_size:  # the prompt was checked, the target's picks not
         raise SpecExecError(f"the target chose token id {max(trunk)}, which the draft lacks")
     logits = tree_forward(draft, cache, trunk, chain(len(trunk)))  # (len(trunk), vocab)
-    run.stats.draft_passes += 1
     tree = DraftTree(tokens=[seq[-1]], parents=[-1], cum_logprob=[0.0], depth=[0], budget=budget)
+    tree.draft_passes = 1
     temperature = opts.tree_temperature()
     logprobs = torch.log_softmax(logits[-1:].float() / temperature, -1)  # (1, vocab)
     tree.add_children([0], logprobs, opts.branch)
@@ -387,7 +293,7 @@ def grow_tree(run, seq, budget=None, max_depth=None):
             break
         parents = tree.local_parents(tree.fed + batch)  # the fed nodes are in the cache
         logits = tree_forward(draft, cache, [tree.tokens[node] for node in batch], parents)
-        run.stats.draft_passes += 1
+        tree.draft_passes += 1
         tree.fed += batch
         logprobs = torch.log_softmax(logits.float() / temperature, -1)  # (len(batch), vocab)
         tree.add_children(batch, logprobs, opts.branch)
@@ -490,29 +396,29 @@ def tree_forward(model, cache, tokens, parents):
 # ---- verification and acceptance ----
 
 
-def verify(target, cache, seq, tree, kept):
-    """ONE target pass over the trunk and the kept tree nodes; logits at the root and each node."""
+def verify(target, cache, seq, tree, nodes):
+    """ONE target pass over the trunk and the tree's `nodes`; logits at the root and each node."""
     trunk = seq[cache.get_seq_length() :]  # usually just the root; the whole prompt at first
     # After the trunk, local parent -1 (the root) lands on the trunk's last token.
-    parents = chain(len(trunk)) + [len(trunk) + i for i in tree.local_parents(kept)]
-    tokens = trunk + [tree.tokens[node] for node in kept]
-    logits = tree_forward(target, cache, tokens, parents)  # (len(trunk) + len(kept), vocab)
-    return logits[len(trunk) - 1 :]  # (1 + len(kept), vocab): root first, then kept
+    parents = chain(len(trunk)) + [len(trunk) + i for i in tree.local_parents(nodes)]
+    tokens = trunk + [tree.tokens[node] for node in nodes]
+    logits = tree_forward(target, cache, tokens, parents)  # (len(trunk) + len(nodes), vocab)
+    return logits[len(trunk) - 1 :]  # (1 + len(nodes), vocab): root first, then nodes
 
 
-def accept(tree, kept, logits, opts, rng):
+def accept(tree, nodes, logits, opts, rng):
     """Follow the target's own picks down the tree; return the accepted nodes and the bonus.
 
-    At each node the target chooses the next token from its own distribution. If that token
-    is a child in the tree we move there for free; if not, the choice itself is the bonus
-    token. Every emitted token is thus the target's choice given everything before it, so
-    the output is the target's greedy decoding (temperature 0) or an exact sample from it.
+    At each node the target picks the next token from its own distribution. If that token
+    is a child among the verified `nodes` we move there for free; if not, the pick itself is
+    the bonus token. Every emitted token is thus the target's pick given everything before it,
+    so the output is the target's greedy decoding (temperature 0) or an exact sample from it.
     """
-    row = {node: i for i, node in enumerate([0] + kept)}  # each node's row of `logits`
-    child = {(tree.parents[node], tree.tokens[node]): node for node in kept}
+    row = {node: i for i, node in enumerate([0] + nodes)}  # each node's row of `logits`
+    child = {(tree.parents[node], tree.tokens[node]): node for node in nodes}
     path, node = [], 0
     while True:
-        token = choose(logits[row[node]], opts, rng)  # one uniform draw per visited node
+        token = pick(logits[row[node]], opts, rng)  # one uniform draw per visited node
         if (node, token) not in child:
             check_finite(logits[[row[visited] for visited in [0, *path]]], "target")
             return path, token
@@ -543,117 +449,325 @@ def keep_path(cache, nodes, path):
             setattr(layer, name, tensor[..., :n_keep, :])  # (1, heads, n_keep, head_dim)
 
 
-def speculative_step(run, seq):
-    """One SpecExec step: draft tree, one target pass, acceptance, cache update; new tokens.
+# ---- the step ----
 
-    With a cost model (budget "auto"), the step's budget and depth are its choice, and budget 0
-    is plain decoding: no tree, no draft pass (the draft's cache then lags behind `seq`, and
-    its next tree's trunk catches it up).
-    """
-    stats, started = run.stats, (time.perf_counter(), replace(run.stats))  # a copy, for auto
-    budget, depth = run.cost.choose() if run.cost else (run.opts.budget, run.opts.max_depth)
-    with (
-        timer(stats, "time_draft", run.draft.device),
-        cpu_threads(run.opts.draft_threads, run.draft.device),
-    ):
-        if budget:
-            tree = grow_tree(run, seq, budget, depth)
-        else:
-            tree = DraftTree(tokens=[seq[-1]], parents=[-1], cum_logprob=[0.0], depth=[0], budget=0)
-        kept = tree.best()
-    n_fed = len(seq) - run.target_cache.get_seq_length() + len(kept)  # trunk and tree
-    with timer(stats, "time_target", run.target.device):
-        logits = verify(run.target, run.target_cache, seq, tree, kept)  # (1 + len(kept), vocab)
-        path, bonus = accept(tree, kept, logits, run.opts, run.rng)
 
-    # Both caches now hold all of `seq`, then tree nodes: the target's the kept ones, the
+@dataclass
+class Step:
+    """What one step did: the loop hands it to the policy and to Stats, nothing else."""
+
+    tokens: list  # the tokens it emitted: the accepted path's, then the bonus
+    budget: int  # the budget it was given; 0: a plain step, no tree
+    depth: int  # the depth limit it was given
+    n_fed: int  # tokens its target pass read: the trunk and the tree
+    tree: DraftTree | None = None
+    path: list = field(default_factory=list)  # the accepted tree nodes
+    draft_passes: int = 0
+    draft_s: float = 0.0  # seconds growing the tree
+    target_s: float = 0.0  # seconds of the target pass and acceptance
+    total_s: float = 0.0  # seconds of the whole step
+
+    @property
+    def tree_size(self):
+        return len(self.tree.best_nodes) if self.tree else 0
+
+    @property
+    def tree_depth(self):
+        """How deep the verified tree went (it is never deeper than its budget)."""
+        return (
+            max((self.tree.depth[node] for node in self.tree.best()), default=0) if self.tree else 0
+        )
+
+
+def speculative_step(run, seq, budget, max_depth):
+    """One SpecExec step: draft tree, ONE target pass, acceptance, both caches cut to the path.
+    Returns a `Step`; its tokens are the accepted path's and the bonus."""
+    start = time.perf_counter()
+    with timer(run.draft.device) as draft_s, cpu_threads(run.opts.draft_threads, run.draft.device):
+        tree = grow_tree(run, seq, budget, max_depth)
+        nodes = tree.best()
+    n_fed = len(seq) - run.target_cache.get_seq_length() + len(nodes)  # trunk and tree
+    with timer(run.target.device) as target_s:
+        logits = verify(run.target, run.target_cache, seq, tree, nodes)  # (1 + len(nodes), vocab)
+        path, bonus = accept(tree, nodes, logits, run.opts, run.rng)
+
+    # Both caches now hold all of `seq`, then tree nodes: the target's the verified ones, the
     # draft's the fed ones. Keep `seq` plus the accepted path; the bonus is the next root,
     # seen by neither. The path's last node may be a leaf the draft never fed: it is then
     # part of the draft's trunk at the next step.
-    keep_path(run.target_cache, kept, path)
+    keep_path(run.target_cache, nodes, path)
     keep_path(run.draft_cache, tree.fed, path)
     # The invariant: the target's cache holds the new `seq` but its last token (the bonus),
-    # the draft's that too, or all but the path's last node if it never fed it (or less,
-    # after a step without a tree).
+    # the draft's that too, or all but the path's last node if it never fed it.
     n_seen = len(seq) + len(path)
     lengths = run.draft_cache.get_seq_length(), run.target_cache.get_seq_length()
-    assert n_seen - 1 <= lengths[0] or not budget, f"draft cache {lengths[0]}, {n_seen}"
-    assert lengths[0] <= lengths[1] == n_seen, f"cache lengths {lengths}, {n_seen}"
+    assert n_seen - 1 <= lengths[0] <= lengths[1] == n_seen, f"cache lengths {lengths}, {n_seen}"
 
-    stats.tree_sizes.append(len(kept))
-    stats.choices.append((budget, depth))
-    if run.cost:
-        run.cost.observe((budget, depth), n_fed, started, stats, tree, path, bonus)
-    return [tree.tokens[node] for node in path] + [bonus]
-
-
-# ---- generation loop ----
+    tokens = [tree.tokens[node] for node in path] + [bonus]
+    return Step(
+        tokens, budget, max_depth, n_fed, tree, path, tree.draft_passes,
+        draft_s(), target_s(), time.perf_counter() - start,
+    )  # fmt: skip
 
 
-def decode_loop(step, seq, run, eos, on_tokens):
-    """The loop shared by SpecExec and the baseline: step until a stop condition holds."""
-    stats, new_tokens = run.stats, []
+def plain_step(run, seq, budget=0, max_depth=0):
+    """One target pass over what its cache lacks, and the target's pick: plain decoding (the
+    baseline, and budget auto's step where no tree pays). The draft's cache, if any, waits:
+    its next tree's trunk catches it up."""
+    start = time.perf_counter()
+    with timer(run.target.device) as target_s:
+        trunk = seq[run.target_cache.get_seq_length() :]
+        logits = tree_forward(run.target, run.target_cache, trunk, chain(len(trunk)))
+        check_finite(logits[-1], "target")  # logits: (len(trunk), vocab)
+        tokens = [pick(logits[-1], run.opts, run.rng)]
+    return Step(tokens, 0, 0, len(trunk), target_s=target_s(), total_s=time.perf_counter() - start)
+
+
+# ---- the loop ----
+
+
+@dataclass
+class FixedBudget:
+    """The policy of a fixed budget: every step the same (budget, depth); budget 0 is plain
+    decoding. Budget "auto" is specexec_tools/cost_model.py's CostModel, with the same two
+    methods: `choose` before each step, `update` with what the step did."""
+
+    budget: int
+    depth: int
+
+    def choose(self):
+        return self.budget, self.depth
+
+    def update(self, step):
+        pass
+
+
+def make_policy(opts):
+    """The policy `opts.budget` names: a fixed budget, or "auto"."""
+    if opts.budget == "auto":
+        from specexec_tools.cost_model import CostModel
+
+        return CostModel(max_depth=opts.max_depth)
+    return FixedBudget(opts.budget, opts.max_depth)
+
+
+def decode_loop(run, seq, policy, eos, on_tokens):
+    """The loop shared by SpecExec and the baseline: ask the policy for a budget, step, tell it
+    what the step did, until max_new_tokens, the context or an EOS."""
+    stats, new_tokens = Stats(policy=policy, threads=torch.get_num_threads()), []
+    stats.seed = run.seed if run.opts.temperature > 0 else None  # the one that reproduces it
     start = time.perf_counter()
     while len(new_tokens) < run.opts.max_new_tokens and len(seq) < run.limit:
-        tokens = step(run, seq)
+        budget, depth = policy.choose()
+        step = (speculative_step if budget else plain_step)(run, seq, budget, depth)
+        policy.update(step)
         # Cut at the token limit, the context, and just after the first EOS.
-        tokens = tokens[: min(run.opts.max_new_tokens - len(new_tokens), run.limit - len(seq))]
+        tokens = step.tokens[: min(run.opts.max_new_tokens - len(new_tokens), run.limit - len(seq))]
         ends = [i for i, t in enumerate(tokens) if t in eos]
         tokens = tokens[: ends[0] + 1] if ends else tokens
-        stats.steps += 1
-        stats.emitted.append(len(tokens))
+        stats.add(step, len(tokens))
         seq += tokens
         new_tokens += tokens
         if on_tokens is not None:
             on_tokens(tokens)
         if ends:
             break
-    stats.new_tokens = len(new_tokens)
     stats.time_total = time.perf_counter() - start
     return new_tokens, stats
 
 
 @torch.no_grad()
-def generate(target, draft, input_ids, *, eos_token_id=None, on_tokens=None, **options):
+def generate(target, draft, input_ids, *, eos_token_id=None, on_tokens=None, opts=None, **options):
     """SpecExec decoding. Returns (new_tokens, Stats); the target alone would emit the same.
 
-    input_ids: list of ints or a LongTensor (1, n). options: see `Options`.
-    eos_token_id: an int or a list; by default the target's generation config's; [] = none.
-    on_tokens(list[int]) is called with each step's accepted tokens (for streaming).
+    input_ids: list of ints or a LongTensor (1, n). opts: an `Options`, or its fields as
+    keyword arguments. eos_token_id: an int or a list; by default the target's generation
+    config's; [] = none. on_tokens(list[int]) is called with each step's accepted tokens
+    (for streaming).
     """
-    opts = Options(**options)
-    check_draft_vocab(target.config, draft.config)
-    limit = min(context_length(target.config), context_length(draft.config))
-    seq = prompt_tokens(input_ids, limit, target=target, draft=draft)
+    opts = as_options(opts, options, on_tokens)
+    seq, limit, eos = preflight(target, draft, input_ids, eos_token_id)
     run = Run(target, draft, opts, limit)
-    eos = stop_tokens(eos_token_id, target)
-    return decode_loop(speculative_step, seq, run, eos, on_tokens)
+    return decode_loop(run, seq, make_policy(opts), eos, on_tokens)
 
 
-# ---- autoregressive baseline ----
+# ---- the plain baseline ----
 
 
 @torch.no_grad()
-def autoregressive(model, input_ids, *, eos_token_id=None, on_tokens=None, **options):
+def autoregressive(model, input_ids, *, eos_token_id=None, on_tokens=None, opts=None, **options):
     """Plain decoding, one target pass per token, with the same sampling, stopping and Stats.
 
     The reference SpecExec is held against: at temperature 0 and with the same seed at
     any temperature, `generate` returns exactly these tokens.
     """
-    opts = Options(**options)
-    limit = context_length(model.config)
-    seq = prompt_tokens(input_ids, limit, model=model)
-    return decode_loop(
-        plain_step, seq, Run(model, None, opts, limit), stop_tokens(eos_token_id, model), on_tokens
-    )
+    opts = as_options(opts, options, on_tokens)
+    seq, limit, eos = preflight(model, None, input_ids, eos_token_id)
+    return decode_loop(Run(model, None, opts, limit), seq, FixedBudget(0, 0), eos, on_tokens)
 
 
-def plain_step(run, seq):
-    """One target pass over what its cache lacks; the target's next token."""
-    with timer(run.stats, "time_target", run.target.device):
-        trunk = seq[run.target_cache.get_seq_length() :]
-        logits = tree_forward(
-            run.target, run.target_cache, trunk, chain(len(trunk))
-        )  # (len(trunk), vocab)
-        check_finite(logits[-1], "target")
-        return [choose(logits[-1], run.opts, run.rng)]
+# ---- what a run did ----
+
+
+@dataclass
+class Stats:
+    """What a run did, added up from its steps in one place (`add`). `steps` counts target
+    forward passes."""
+
+    steps: int = 0
+    new_tokens: int = 0
+    draft_passes: int = 0
+    emitted: list = field(default_factory=list)  # tokens per step: accepted path + bonus
+    tree_sizes: list = field(default_factory=list)  # nodes verified per step
+    tree_depths: list = field(default_factory=list)  # how deep the verified tree went
+    budgets: list = field(default_factory=list)  # (budget, depth) each step was given
+    policy: object = None  # what sized the steps: FixedBudget, or auto's CostModel
+    threads: int = 0  # CPU threads of the target's passes
+    seed: int | None = None  # sampling's: the run is reproduced with it
+    time_draft: float = 0.0
+    time_target: float = 0.0
+    time_total: float = 0.0
+
+    def add(self, step, n_emitted):
+        """One step, of which `n_emitted` tokens were kept (the rest lay past a stop)."""
+        self.steps += 1
+        self.new_tokens += n_emitted
+        self.draft_passes += step.draft_passes
+        self.emitted.append(n_emitted)
+        self.tree_sizes.append(step.tree_size)
+        self.tree_depths.append(step.tree_depth)
+        self.budgets.append((step.budget, step.depth))
+        self.time_draft += step.draft_s
+        self.time_target += step.target_s
+
+    @property
+    def tokens_per_step(self):
+        return self.new_tokens / max(1, self.steps)
+
+    @property
+    def tokens_per_second(self):
+        return self.new_tokens / max(1e-9, self.time_total)
+
+    @property
+    def time_other(self):
+        return self.time_total - self.time_draft - self.time_target
+
+    @property
+    def histogram(self):
+        """How many steps gained k tokens, for each k."""
+        return dict(sorted(Counter(self.emitted).items()))
+
+    def summary(self):
+        """One line: what was made, per target pass and per second, where the time went, and
+        the trees it verified (the summary's one place)."""
+        line = (
+            f"{count(self.new_tokens, 'token')} in {count(self.steps, 'target pass')} "
+            f"({self.tokens_per_step:.2f} per pass), {self.tokens_per_second:.3g} tokens/s; "
+            f"draft {self.time_draft:.2f}s, target {self.time_target:.2f}s, "
+            f"other {self.time_other:.2f}s"
+        )
+        trees = [budget for budget, _ in self.budgets if budget]
+        if trees:  # SpecExec, not the baseline
+            budget, n = Counter(trees).most_common(1)[0]
+            deepest = max(d for (b, _), d in zip(self.budgets, self.tree_depths) if b == budget)
+            some = f" in {n} of {len(self.budgets)} steps" if len(set(trees)) > 1 else ""
+            line += f"; budget {budget}{some}, trees up to {deepest} deep"
+            if len(trees) < len(self.budgets):
+                plain = count(len(self.budgets) - len(trees), "step")
+                line += f"; plain decoding (no tree) in {plain}"
+            line += f"; {self.draft_passes / self.steps:.1f} draft passes per target pass"
+        line += f"; threads {self.threads}" if self.threads else ""
+        return line + (f"; seed {self.seed}" if self.seed is not None else "")
+
+
+def count(n, one):
+    """'1 token', '2 tokens', '3 target passes'."""
+    return f"{n} {one if n == 1 else one + ('es' if one.endswith('s') else 's')}"
+
+
+# ---- plumbing: options checked, timers, threads, the command line ----
+
+
+def as_options(opts, options, on_tokens):
+    """`opts`, or an Options of the keyword arguments (not both); on_tokens callable."""
+    if opts is not None and options:
+        raise SpecExecError(f"pass opts= or options ({', '.join(options)}), not both")
+    if opts is not None and not isinstance(opts, Options):
+        raise SpecExecError(f"opts must be a specexec.Options, got {type(opts).__name__}")
+    if on_tokens is not None and not callable(on_tokens):
+        raise SpecExecError(f"on_tokens must be a function of a list of tokens, got {on_tokens!r}")
+    return opts if opts is not None else Options(**options)
+
+
+@contextmanager
+def timer(device):
+    """Time a block; yields a function that gives its seconds once it ends. On a GPU it waits
+    for the device's current stream, so that the split between draft and target is true."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        sync = torch.cuda.current_stream(device).synchronize
+    else:
+        sync = lambda: None
+    sync()
+    seconds = []
+    start = time.perf_counter()
+    yield lambda: seconds[0]
+    sync()
+    seconds.append(time.perf_counter() - start)
+
+
+@contextmanager
+def cpu_threads(n, device):
+    """Run a block on `n` CPU threads (0 or None, or a GPU: as it is). A draft pass is a few
+    small matmuls: more threads do not make it faster, and on a busy CPU they wait for each
+    other (docs/results.md measures it)."""
+    before = torch.get_num_threads()
+    if n and torch.device(device).type == "cpu":
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def check_options(opts):
+    """Each option's type and range, in one line naming it (`Options` calls this when made);
+    then each number as Python's own int or float (numpy's and Fraction would fail deep in
+    torch)."""
+    for f in fields(opts):
+        value, integer = getattr(opts, f.name), f.type in (int, int | str, int | None)
+        if f.name == "budget" and value == "auto":
+            continue
+        kind = numbers.Integral if integer else numbers.Real  # a bool is no count
+        if (value is not None or f.default is not None) and (
+            isinstance(value, bool) or not isinstance(value, kind)
+        ):
+            kind = "an integer" if integer else "a number"
+            kind += ' or "auto"' if f.name == "budget" else ""
+            raise SpecExecError(f"{f.name} must be {kind}, got {value!r}")
+        if value is not None:
+            setattr(opts, f.name, int(value) if integer else float(value))
+    counts = ("budget", "max_depth", "width", "branch")
+    lowest = dict.fromkeys(counts, 1) | dict(max_new_tokens=0, top_k=0, draft_threads=0)
+    for name, least in lowest.items():
+        if getattr(opts, name) not in ("auto", None) and getattr(opts, name) < least:
+            raise SpecExecError(f"{name} must be at least {least}, got {getattr(opts, name)}")
+    # A floor: logits / temperature stays finite for any float32 logit (3.4e38 / 1e-4 fits
+    # a float64), and below 1e-4 sampling is greedy decoding in all but exact ties anyway.
+    if not (opts.temperature == 0 or 1e-4 <= opts.temperature < math.inf):
+        raise SpecExecError(f"temperature must be 0 or in [1e-4, inf), got {opts.temperature}")
+    if not 0 < opts.top_p <= 1:
+        raise SpecExecError(f"top_p must be in (0, 1], got {opts.top_p}")
+    if opts.seed is not None and not 0 <= opts.seed < 2**64:
+        raise SpecExecError(f"seed must be in [0, 2**64), got {opts.seed}")
+    if opts.draft_temperature is not None and not 1e-2 <= opts.draft_temperature < math.inf:
+        raise SpecExecError(
+            f"draft_temperature must be in [0.01, inf), got {opts.draft_temperature}"
+        )
+
+
+if __name__ == "__main__":  # `python specexec.py`: the command line, specexec_tools/cli.py
+    sys.modules["specexec"] = sys.modules["__main__"]  # this file is `specexec` there: read once
+    from specexec_tools import cli
+
+    cli.main()

@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import cli
 import specexec
 from conftest import tiny_model
+from specexec_tools import cli, models
+from specexec_tools.checkpoint import OffloadError
 
 HERE = Path(__file__).resolve().parent
 PAIR = HERE / "models"
@@ -275,14 +276,14 @@ def test_damaged_model_folders_fail_in_one_line_and_write_nothing(tmp_path):
 
 
 def test_both_tiers_refuse_the_same_folders_in_the_same_words(tmp_path):
-    """One check of a folder's weights for every tier: cli.load_model (in memory) and
+    """One check of a folder's weights for every tier: models.load (in memory) and
     offload.from_pretrained (ram, ssd) refuse a folder with the same line, or all load it."""
     import offload
 
     _, folders = damaged_folders(tmp_path)
     ssd = {"mode": "ssd", "dtype": "float64", "offload_dir": tmp_path / "offload"}
     loads = [
-        lambda folder: cli.load_model(folder, "cpu", torch.float64),
+        lambda folder: models.load(folder, "cpu", torch.float64),
         lambda folder: offload.from_pretrained(folder, mode="ram", device="cpu").close(),
         lambda folder: offload.from_pretrained(folder, device="cpu", **ssd).close(),
     ]
@@ -293,7 +294,7 @@ def test_both_tiers_refuse_the_same_folders_in_the_same_words(tmp_path):
             try:
                 load(folder)
                 said.append(None)
-            except (specexec.SpecExecError, cli.OffloadError) as error:
+            except (specexec.SpecExecError, OffloadError) as error:
                 said.append(str(error))
         assert said[0] == said[1] == said[2], (what, said)
         refused |= {what} if said[0] else set()
@@ -329,7 +330,7 @@ def test_sound_but_unusual_checkpoints_load_alike_in_memory_and_offloaded(tmp_pa
     for folder, oracle in [(good, good), (sharded, good), (tied, tied)]:
         expected = AutoModelForCausalLM.from_pretrained(oracle).eval()(ids).logits
         with torch.no_grad():
-            in_memory = cli.load_model(folder, "cpu", None)(ids).logits
+            in_memory = models.load(folder, "cpu", None)(ids).logits
             with offload.from_pretrained(folder, mode="ram", device="cpu") as model:
                 offloaded = model(ids).logits
         torch.testing.assert_close(in_memory, expected, rtol=0, atol=0)
@@ -363,8 +364,8 @@ def test_config_values_transformers_refuses_fail_in_one_line(tmp_path):
     for what, (changes, message) in BAD_CONFIGS.items():
         folder = shutil.copytree(good, tmp_path / what.replace(" ", "_"))
         edit_json(folder / "config.json", **changes)
-        for load in (cli.load_model, offload.from_pretrained):
-            with pytest.raises(cli.OffloadError, match=re.escape(message)) as caught:
+        for load in (models.load, offload.from_pretrained):
+            with pytest.raises(OffloadError, match=re.escape(message)) as caught:
                 load(folder, device="cpu", dtype=None)
             assert "\n" not in str(caught.value)
         if what in ("a number as a string", "an unknown activation", "no layers"):
@@ -478,6 +479,10 @@ def copy_modules(folder):
     modules = tomllib.loads((HERE / "pyproject.toml").read_text())["tool"]["setuptools"]
     for module in modules["py-modules"]:
         shutil.copy(HERE / f"{module}.py", folder / f"{module}.py")
+    for package in modules["packages"]:
+        shutil.copytree(
+            HERE / package, folder / package, ignore=shutil.ignore_patterns("__pycache__")
+        )
     return folder / "specexec.py"
 
 
@@ -543,10 +548,10 @@ def test_chat_template_tokens_are_the_rendered_text(chat_pair):
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     expected = tokenizer(text, add_special_tokens=False)["input_ids"]
     for mode in ("auto", "on"):
-        ids = cli.tokenize(tokenizer, "def add(a, b):", mode, "chat")
+        ids = models.tokenize(tokenizer, "def add(a, b):", mode, "chat")
         assert ids == expected and all(isinstance(i, int) for i in ids)
     assert ids[0] == tokenizer.convert_tokens_to_ids("<|user|>") == len(tokenizer) - 2
-    plain = cli.tokenize(tokenizer, "def add(a, b):", "off", "chat")
+    plain = models.tokenize(tokenizer, "def add(a, b):", "off", "chat")
     assert plain == tokenizer("def add(a, b):")["input_ids"]
 
 

@@ -26,10 +26,7 @@ import torch
 from hypothesis import given, settings
 from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config, MambaConfig
 
-import cli
 import offload
-import offload_files
-import quantize
 import specexec
 from conftest import (
     CONFIGS,
@@ -41,7 +38,8 @@ from conftest import (
     save_model,
     tiny_config,
 )
-from families import CACHE
+from specexec_tools import checkpoint, cli, models, quantize
+from specexec_tools.models import CACHE
 
 torch.set_num_threads(1)  # tiny models; leave the other core alone
 
@@ -101,7 +99,7 @@ def count_bytes_moved(model, stack):
     put into the slot, counted where they happen rather than taken from the layouts."""
     loads, into_slot = [], []
     ops, storage = model.ring.ops, model.ring.storage
-    copy_, load, pread_into = ops.copy, storage.load, offload_files.pread_into
+    copy_, load, pread_into = ops.copy, storage.load, checkpoint.pread_into
     ops.copy = lambda dst, src: into_slot.append(dst.numel()) or copy_(dst, src)
 
     def read(fd, buffer, *args):
@@ -114,7 +112,7 @@ def count_bytes_moved(model, stack):
         loads.append((layer, sum(into_slot)))
 
     storage.load = counted
-    stack.enter_context(unittest.mock.patch.object(offload_files, "pread_into", read))
+    stack.enter_context(unittest.mock.patch.object(checkpoint, "pread_into", read))
     return loads
 
 
@@ -368,14 +366,14 @@ def test_two_runs_converting_into_one_folder_both_succeed(tmp_path, capsys, monk
     one conversion, no clash over the files being written."""
     oracle = save_model(tmp_path / "bf16", CONFIGS["llama"](), dtype=torch.bfloat16)
     options = {"mode": "ssd", "device": "cpu", "dtype": torch.float32, "offload_dir": tmp_path}
-    writing, go_on, write_copy = threading.Event(), threading.Event(), offload_files.write_copy
+    writing, go_on, write_copy = threading.Event(), threading.Event(), checkpoint.write_copy
 
     def held_write_copy(*args):  # the first run stays in the middle of writing until told
         writing.set()
         assert go_on.wait(timeout=300)
         write_copy(*args)
 
-    monkeypatch.setattr(offload_files, "write_copy", held_write_copy)
+    monkeypatch.setattr(checkpoint, "write_copy", held_write_copy)
     said = ""
     with ThreadPoolExecutor(2) as pool:
         first = pool.submit(offload.from_pretrained, tmp_path / "bf16", **options)
@@ -435,7 +433,7 @@ def test_planned_reads_give_what_safetensors_loads(tensors, data):
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "f.safetensors"
         save_file(written, path)
-        entries = offload_files.read_header(path)
+        entries = checkpoint.read_header(path)
         storage = offload.DiskStorage([{name: entries[name] for name in wanted}], offload.Cpu())
         slot = offload.page_aligned(storage.layouts[0].nbytes, torch.device("cpu"))  # as the ring
         got = storage.layouts[0].views((storage.load(0, slot, offload.Cpu()) or slot))
@@ -812,14 +810,14 @@ def test_self_draft_is_the_quantized_target_kept_whole(float64_target, kind):
     """Its logits are the dequantized target's; nothing streams; a bad kind is one line."""
     folder, target = float64_target
     ids = torch.randint(97, (1, 7), generator=torch.Generator().manual_seed(9))
-    with cli.self_draft(folder, kind, device="cpu") as draft:
+    with offload.self_draft(folder, kind, device="cpu") as draft:
         assert draft.dtype == torch.float64 and draft.stats.resident_layers == 4
         expected = dequantized(target, kind)(ids).logits
         torch.testing.assert_close(draft(ids).logits, expected, rtol=1e-12, atol=1e-12)
         assert draft.stats.bytes_moved == 0 and draft.ring.slots == []
     assert not torch.equal(expected, target(ids).logits)  # quantized: another model
     with pytest.raises(offload.OffloadError, match="a self-draft is 'int8' or 'int4', not 'fp8'"):
-        cli.self_draft(folder, "fp8")
+        offload.self_draft(folder, "fp8")
 
 
 @pytest.mark.parametrize("kind", quantize.KINDS)
@@ -831,7 +829,7 @@ def test_specexec_with_a_self_draft_is_exact(float64_target, kind, sampled):
     prompt = torch.randint(97, (1, 6), generator=torch.Generator().manual_seed(4)).tolist()[0]
     options = dict(max_new_tokens=24, eos_token_id=[])
     options |= dict(temperature=0.6, top_p=0.9) if sampled else {}
-    with cli.self_draft(folder, kind, device="cpu") as draft:
+    with offload.self_draft(folder, kind, device="cpu") as draft:
         for seed in range(2):
             expected, _ = specexec.autoregressive(target, prompt, seed=seed, **options)
             tokens, stats = specexec.generate(
@@ -979,7 +977,7 @@ def test_a_float64_mixture_runs_in_memory_and_offloaded(tmp_path):
     )
     ids = torch.randint(97, (1, 7), generator=torch.Generator().manual_seed(9))
     expected = oracle(ids).logits
-    in_memory = cli.load_model(tmp_path, torch.device("cpu"), torch.float64)
+    in_memory = models.load(tmp_path, torch.device("cpu"), torch.float64)
     torch.testing.assert_close(in_memory(ids).logits, expected, rtol=1e-9, atol=1e-9)
     with offload.from_pretrained(tmp_path, device="cpu") as model:
         assert model.dtype == torch.float64

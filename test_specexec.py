@@ -10,7 +10,6 @@ import copy
 import json
 import math
 import re
-import time
 import types
 from pathlib import Path
 
@@ -21,9 +20,10 @@ from hypothesis import strategies as st
 
 import specexec
 from conftest import REAL_SHAPES, ancestors, cut_draft, real_model, tiny_model
-from cost_model import CostModel, running_mean
-from families import CACHE, UnsupportedModel
 from specexec import SpecExecError
+from specexec_tools import models
+from specexec_tools.cost_model import CostModel, running_mean
+from specexec_tools.models import CACHE, UnsupportedModel
 
 HERE = Path(__file__).resolve().parent
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
@@ -145,11 +145,11 @@ def test_tree_is_best_budget_nodes_closed_under_ancestors(
     )
     run = specexec.Run(target=None, draft=draft, opts=opts, limit=128)
     with torch.no_grad():
-        tree = specexec.grow_tree(run, prompt)
-    kept, stats = tree.best(), run.stats
+        tree = specexec.grow_tree(run, prompt, budget, max_depth)
+    kept = tree.best()
     dropped = set(range(1, len(tree.tokens))) - set(kept)
     assert len(kept) <= budget
-    assert stats.draft_passes <= max_depth
+    assert tree.draft_passes <= max_depth
     for node in kept:
         assert tree.parents[node] == 0 or tree.parents[node] in kept  # closed under ancestors
         assert len(ancestors(tree.parents, node)) - 1 <= max_depth
@@ -173,8 +173,8 @@ def test_tree_grows_best_first_until_budget_is_settled():
     opts = specexec.Options(budget=4, max_depth=50, width=4, branch=4)
     run = specexec.Run(target=None, draft=draft, opts=opts, limit=128)
     with torch.no_grad():
-        specexec.grow_tree(run, [1, 2, 3])
-    assert run.stats.draft_passes < 50
+        tree = specexec.grow_tree(run, [1, 2, 3], opts.budget, opts.max_depth)
+    assert tree.draft_passes < 50
 
 
 @pytest.mark.parametrize("budget", [1, 5, 17, 40])
@@ -185,7 +185,8 @@ def test_tree_is_the_best_budget_of_the_whole_search_space(budget):
     draft, prompt = tiny_model("llama", 1, init=0.3), [5, 6, 7]
     opts = specexec.Options(budget=budget, max_depth=4, width=budget, branch=3)
     with torch.no_grad():
-        tree = specexec.grow_tree(specexec.Run(None, draft, opts, limit=128), prompt)
+        run = specexec.Run(None, draft, opts, limit=128)
+        tree = specexec.grow_tree(run, prompt, budget, opts.max_depth)
     paths = {}  # token path from the root -> cum_logprob, for every node of the full tree
     frontier = [((), 0.0)]
     for _ in range(opts.max_depth):
@@ -327,9 +328,9 @@ def test_auto_budget_equals_greedy_target(family, prompt, max_new_tokens):
         expected, _ = specexec.autoregressive(target, prompt, **options)
         tokens, stats = specexec.generate(target, draft, prompt, budget="auto", **options)
     assert tokens == expected
-    assert len(stats.choices) == stats.steps and stats.cost_model is not None
+    assert len(stats.budgets) == stats.steps and isinstance(stats.policy, CostModel)
     allowed = {0, *CostModel.BUDGETS, CostModel.budget}
-    assert {budget for budget, _ in stats.choices} <= allowed
+    assert {budget for budget, _ in stats.budgets} <= allowed
 
 
 @settings(max_examples=40, **SETTINGS)
@@ -497,9 +498,10 @@ def test_cost_model_measures_a_second_size_with_a_small_tree_unless_the_target_s
 
 def observe(cost, choice, n_fed, draft_s, target_s, passes, tree, path, bonus=99):
     """A step of `choice` that took draft_s + target_s seconds, as speculative_step reports it."""
-    after = specexec.Stats(draft_passes=passes, time_draft=draft_s, time_target=target_s)
-    started = (time.perf_counter() - draft_s - target_s, specexec.Stats())
-    cost.observe(choice, n_fed, started, after, tree, path, bonus)
+    tokens = [tree.tokens[node] for node in path] + [bonus]
+    step = specexec.Step(tokens, *choice, n_fed, tree, path, passes, draft_s, target_s)
+    step.total_s = draft_s + target_s
+    cost.update(step)
 
 
 def test_cost_model_learns_from_what_the_target_followed():
@@ -618,7 +620,7 @@ def test_kept_caches_equal_a_fresh_forward(family):
     run, seq = specexec.Run(target, draft, opts, limit=128), [9, 8, 7, 6]
     with torch.no_grad():
         for _ in range(6):
-            seq += specexec.speculative_step(run, seq)
+            seq += specexec.speculative_step(run, seq, opts.budget, opts.max_depth).tokens
             assert run.target_cache.get_seq_length() == len(seq) - 1
             assert run.draft_cache.get_seq_length() <= len(seq) - 1
         for model, cache in ((target, run.target_cache), (draft, run.draft_cache)):
@@ -697,13 +699,23 @@ def test_a_tensor_prompt_equals_a_list_prompt():
 
 
 def test_summary_says_what_a_step_is_and_counts_in_words():
-    """One line a user reads: a step is a target pass; one token, one pass, one step."""
-    stats = specexec.Stats(steps=1, new_tokens=1, choices=[(32, 8)], time_total=0.5)
+    """One line a user reads: a step is a target pass; one token, one pass, one step; a tree is
+    as deep as it went, not as deep as it was allowed (a 4-node tree is never 16 deep)."""
+    stats = specexec.Stats(steps=1, new_tokens=1, budgets=[(32, 8)], tree_depths=[8])
+    stats.time_total, stats.draft_passes = 0.5, 8
     assert stats.summary().startswith("1 token in 1 target pass (1.00 per pass), 2 tokens/s;")
-    assert stats.summary().endswith("; budget 32, depth 8")
-    stats = specexec.Stats(steps=3, new_tokens=5, choices=[(4, 2), (0, 0), (4, 2)])
+    assert stats.summary().endswith(
+        "; budget 32, trees up to 8 deep; 8.0 draft passes per target pass"
+    )
+    stats = specexec.Stats(steps=3, new_tokens=5, budgets=[(4, 16), (0, 0), (4, 16)])
+    stats.tree_depths, stats.draft_passes, stats.threads = [3, 0, 2], 6, 1
     assert stats.summary().startswith("5 tokens in 3 target passes (1.67 per pass)")
-    assert stats.summary().endswith("; budget 4, depth 2; plain decoding (no tree) in 1 step")
+    assert stats.summary().endswith(
+        "; budget 4, trees up to 3 deep; plain decoding (no tree) in 1 step; "
+        "2.0 draft passes per target pass; threads 1"
+    )
+    plain = specexec.Stats(steps=2, new_tokens=2, budgets=[(0, 0)] * 2, tree_depths=[0, 0])
+    assert "budget" not in plain.summary() and "plain decoding" not in plain.summary()
 
 
 def test_draft_larger_than_target_or_missing_the_targets_pick_is_a_clear_error():
@@ -738,7 +750,7 @@ def test_eos_defaults_to_the_targets_generation_config():
         assert decode(max_new_tokens=30, eos_token_id=[])[0] == full
     # the CLI's rule: the tokenizer's EOS stops too, beside the generation config's
     tokenizer = types.SimpleNamespace(eos_token_id=5)
-    assert specexec.stop_tokens(None, target, tokenizer) == {eos, 63, 5}
+    assert models.stop_tokens(None, target, tokenizer) == {eos, 63, 5}
 
 
 def test_eos_token_id_takes_integer_likes_and_refuses_the_rest():
@@ -885,7 +897,7 @@ def test_real_shapes_keep_their_options():
     moe = real_model("qwen3-moe").model.layers[0].mlp
     assert moe.experts.gate_up_proj.shape == (32, 2 * 16, 32) and moe.gate.top_k == 2
     for name in REAL_SHAPES:
-        assert specexec.context_length(real_model(name).config) == 128
+        assert models.context_length(real_model(name).config) == 128
 
 
 @pytest.mark.parametrize("name", REAL_SHAPES)
@@ -1053,13 +1065,14 @@ def test_sliding_layers_of_a_config_built_cache_drop_old_entries():
 def test_real_shapes_kept_caches_equal_a_fresh_forward(name):
     """After several steps each cache, run on by Hugging Face itself, gives a fresh forward."""
     target, draft = real_model(name), cut_draft(name)
-    limit = specexec.context_length(target.config)
+    limit = models.context_length(target.config)
     opts = specexec.Options(budget=24, max_depth=5, width=4, branch=3, seed=0)
     run, seq = specexec.Run(target, draft, opts, limit), [9, 8, 7, 6]
     with torch.no_grad():
-        while len(seq) + opts.max_depth + 1 <= limit and run.stats.steps < 8:  # past windows
-            seq += specexec.speculative_step(run, seq)
-            run.stats.steps += 1
+        for _ in range(8):  # past the windows
+            if len(seq) + opts.max_depth + 1 > limit:
+                break
+            seq += specexec.speculative_step(run, seq, opts.budget, opts.max_depth).tokens
             assert run.target_cache.get_seq_length() == len(seq) - 1
         for model, cache in ((target, run.target_cache), (draft, run.draft_cache)):
             trunk = torch.tensor([seq[cache.get_seq_length() :]])  # (1, n_trunk)

@@ -20,7 +20,7 @@ layer are scaled to 32 layers and combined with each row's measured tokens per p
 time. The temporary model is deleted afterwards.
 
 --drafts replaces the table: SpecExec at each budget with three drafts of the same target, the
-distilled default draft and the target's own int8 and int4 copies (cli.self_draft, every
+distilled default draft and the target's own int8 and int4 copies (offload.self_draft, every
 layer resident), greedy and sampled, each row checked against the target's own decoding.
 """
 
@@ -38,9 +38,10 @@ from pathlib import Path
 
 import torch
 
-import cli
+import offload
 import specexec
 from scripts.common import cpu_name, machine  # the machine, named as every script names it
+from specexec_tools import cli, models
 
 
 @dataclass
@@ -435,8 +436,8 @@ def run(cfg):
             cfg.target, mode=cfg.offload, device=device, dtype=dtype, offload_dir=copies
         )
     else:
-        target = cli.load_model(cfg.target, device, dtype)
-    draft = cli.load_model(cfg.draft, device, dtype)
+        target = models.load(cfg.target, device, dtype)
+    draft = models.load(cfg.draft, device, dtype)
     meters = Meter(target, device), Meter(draft, device)
     # HF's generate lives on the Hugging Face model; an offloaded target wraps one, whose
     # forward must then be the offloaded (and metered) one.
@@ -499,11 +500,11 @@ def run(cfg):
 
 def compare_drafts(cfg, target, distilled, prompt_ids, eos, meters, device, dtype):
     """SpecExec at each budget with each draft, greedy then sampled; a table and the goal."""
-    import quantize
+    from specexec_tools import quantize
 
     drafts = {"distilled": (distilled, meters[1])}
     for kind in quantize.KINDS:
-        copy = cli.self_draft(cfg.target, kind, device=device, dtype=dtype)
+        copy = offload.self_draft(cfg.target, kind, device=device, dtype=dtype)
         drafts[f"target's {kind} copy"] = copy, Meter(copy, device)
     rows = []
     for sampled in (False, True):

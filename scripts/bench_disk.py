@@ -38,6 +38,7 @@ import torch
 
 from scripts.common import command_line, machine
 from specexec import option
+from specexec_tools import models
 
 HERE = Path(__file__).resolve().parents[1]  # the repository root
 
@@ -246,7 +247,6 @@ def projected_rate(row, read_s, compute):
 def run(cfg, folder):
     from transformers import AutoTokenizer
 
-    import cli
     import offload
 
     started = time.strftime("%Y-%m-%d %H:%M")
@@ -259,7 +259,7 @@ def run(cfg, folder):
     cpu, float32 = torch.device("cpu"), torch.float32
     target = offload.from_pretrained(folder, mode="ssd", device=cpu, dtype=float32)
     read_before, nbytes = raw_read_s(target)
-    draft = cli.load_model(cfg.draft, cpu, float32)
+    draft = models.load(cfg.draft, cpu, float32)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     prompts = json.loads((HERE / "models" / "prompts.json").read_text())[: cfg.prompts]
     prompt_ids = [tokenizer(p["prompt"])["input_ids"] for p in prompts]
@@ -274,7 +274,7 @@ def run(cfg, folder):
         read_after, _ = raw_read_s(target)  # the disk's speed moves on a shared machine
 
     # the compute with no reading: the same model held in memory, one pass per tree size
-    in_memory = cli.load_model(folder, cpu, float32)
+    in_memory = models.load(folder, cpu, float32)
     with torch.no_grad():
         compute = compute_s(in_memory, prompt_ids[0], sorted({r.fed_per_step for r in rows}))
     del in_memory

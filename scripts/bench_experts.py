@@ -20,8 +20,8 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 import offload
-import quantize
 import specexec
+from specexec_tools import quantize
 
 PUBLISHED = {  # config.json of each checkpoint, the fields that set a layer's bytes
     "Mixtral-8x7B": dict(

@@ -29,10 +29,10 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import offload
-import offload_files
-from families import CACHE
 from scripts.common import command_line, cpu_name
 from specexec import option
+from specexec_tools import checkpoint
+from specexec_tools.models import CACHE
 
 
 # Fields in specexec.Options' form, option(default, help): other options, alike in shape only.
@@ -365,9 +365,7 @@ def raw_gb_per_s(model, folder: Path, tier: str) -> float:
             for start in range(0, read.nbytes, chunk.numel()):
                 size = min(chunk.numel(), offload.round_up(read.nbytes) - start)
                 fd, needed = ring.storage.fds[read.path], min(size, read.nbytes - start)
-                offload_files.pread_into(
-                    fd, chunk[:size], read.file_offset + start, read.path, needed
-                )
+                checkpoint.pread_into(fd, chunk[:size], read.file_offset + start, read.path, needed)
             nbytes += read.nbytes
     return nbytes / (time.perf_counter() - started) / 1e9
 

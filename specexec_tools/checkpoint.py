@@ -1,10 +1,10 @@
-"""The checkpoint files offload.py reads: safetensors headers, .bin shards, the converted copy.
+"""A model folder's weight files: safetensors headers, .bin shards, and the ssd tier's copy.
 
 `Checkpoint` finds each tensor of a model folder (a byte range of a safetensors shard, or a tensor
-memory-mapped from a .bin shard); `convert` writes the per-layer safetensors copy that the ssd
-tier reads when the checkpoint's own files cannot be read as they are (another dtype, .bin).
-Beside them, the checks of what a user asks for before any weight is read: the model family
-(`load_configs`), the dtype (`as_dtype`) and whether the device can run it (`check_dtype_runs`).
+memory-mapped from a .bin shard), for both tiers: in memory (models.load) and offloaded
+(offload.py). `convert` writes the per-layer safetensors copy that the ssd tier reads when the
+checkpoint's own files cannot be read as they are (another dtype, .bin, quantized). The checks of
+a folder as a whole (config, family, every weight present) are models.open_model's.
 """
 
 import copy
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-import quantize
+from specexec_tools import quantize
 
 
 class OffloadError(ValueError):
@@ -72,151 +72,6 @@ def open_direct(path: Path) -> int:
         return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
     except OSError:
         return os.open(path, os.O_RDONLY)
-
-
-def find_folder(name: str) -> Path:
-    """A local model folder: the folder given, or a hub id's snapshot (cached, else downloaded:
-    config, tokenizer and weights, .bin only where a repo has no safetensors). The one finder of
-    the CLI's models and the offloader's; what it cannot find is one line naming `name`."""
-    path = Path(name).expanduser()
-    if path.is_dir():
-        if not os.access(path, os.R_OK | os.X_OK):
-            raise OffloadError(f"{name}: cannot read this folder (permission denied)")
-        if not (path / "config.json").is_file():
-            raise OffloadError(f"{name}: no config.json in this folder")
-        return path
-    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") != 1:
-        raise OffloadError(f"{name}: no such model folder")
-    from huggingface_hub import constants, snapshot_download
-
-    patterns = ["*.json", "*.safetensors", "*.model", "*.txt"]  # config, weights, tokenizer
-    try:
-        return Path(snapshot_download(name, allow_patterns=patterns, local_files_only=True))
-    except (OSError, ValueError):
-        pass  # not in the cache
-    # The hub client retries a dead network for half a minute; one quick look decides instead.
-    offline = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else unreachable()
-    if offline:
-        raise OffloadError(
-            f"{name}: no such folder, not in the Hugging Face cache, and {offline}; "
-            "pass a local model folder (or download it once online; HF_HUB_OFFLINE=1 then "
-            "uses the cache only)"
-        )
-    try:
-        folder = Path(snapshot_download(name, allow_patterns=patterns))
-        if not any(folder.glob("*.safetensors")):
-            folder = Path(snapshot_download(name, allow_patterns=[*patterns, "*.bin"]))
-    except Exception as err:  # what the hub raises varies with the failure and the version
-        raise OffloadError(f"{name}: cannot download it ({one_line(err)})") from None
-    return folder
-
-
-def unreachable() -> str | None:
-    """Why the hub cannot be reached, or None."""
-    import socket
-    import urllib.request
-    from urllib.parse import urlsplit
-
-    from huggingface_hub import constants
-
-    url = urlsplit(constants.ENDPOINT)
-    if url.scheme in urllib.request.getproxies():
-        return None  # the client goes through a proxy; let it try
-    try:
-        port = url.port or (443 if url.scheme == "https" else 80)
-        socket.create_connection((url.hostname, port), timeout=5).close()
-    except OSError as err:
-        return f"{url.hostname} cannot be reached ({err.strerror or err})"
-    return None
-
-
-def load_configs(folder: Path):
-    """The model's config, and its generation config (eos ids etc.) where the folder has one.
-
-    The one place that decides which models are supported, for the CLI and the offloader: a
-    causal LM of transformers whose layers a tree pass can run, as `families.listen_to_layers`
-    checks on the model itself (attention that takes a 4D mask, a cache of keys and values)."""
-    from transformers import AutoConfig, GenerationConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    import families
-
-    try:
-        config = AutoConfig.from_pretrained(folder)
-        generation = None
-        if (folder / "generation_config.json").is_file():
-            generation = GenerationConfig.from_pretrained(folder)
-    except Exception as err:  # transformers checks values as it reads them, with its own errors
-        raise OffloadError(f"{folder}: cannot load its config ({one_line(err)})") from None
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise OffloadError(f"{folder}: {config.model_type!r} is no causal LM of transformers")
-    counts = ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings")
-    for name in counts[:3]:
-        check_count(config, name, folder)  # 0 or -1 layers build an empty model without a word
-    skeleton(config, folder)  # an unknown activation or rope type: its own one-line error
-    try:
-        families.listen_to_layers(config)
-    except families.UnsupportedModel as err:
-        raise OffloadError(f"{folder}: {err}") from None
-    check_count(config, counts[3], folder)  # the context (specexec.context_length)
-    return config, generation
-
-
-def check_count(config, name: str, folder: Path) -> None:
-    value = getattr(config, name, None)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise OffloadError(f"{folder}: config.json gives {name} {value!r}, not a count >= 1")
-
-
-def skeleton(config, folder: Path, dtype=None) -> torch.nn.Module:
-    """The model the config describes, on the meta device: its names, shapes and code, no bytes.
-
-    An unknown activation or rope type only fails here, when transformers builds the model."""
-    from transformers import AutoModelForCausalLM
-
-    try:
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    except Exception as err:
-        raise OffloadError(f"{folder}: cannot build its model ({one_line(err)})") from None
-    if dtype == torch.float64 and "grouped_mm" in model.get_experts_implementation().values():
-        model.set_experts_implementation("eager")  # a mixture's default kernel lacks float64
-    return model
-
-
-def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    """A torch dtype from itself or its name ("float16", "torch.bfloat16")."""
-    if not isinstance(dtype, str):
-        return dtype
-    found = getattr(torch, dtype.removeprefix("torch."), None)
-    if not isinstance(found, torch.dtype):
-        raise OffloadError(f"dtype {dtype!r} is no torch dtype; try 'float16' or 'bfloat16'")
-    return found
-
-
-def as_device(device: torch.device | str | None) -> torch.device:
-    """A torch device from itself or its name (None: cuda if available, else cpu), one that
-    offload runs on: the cpu or an available cuda device."""
-    try:
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except (RuntimeError, TypeError) as err:
-        raise OffloadError(f"device {device!r}: {one_line(err)}") from None
-    if device.type != "cpu" and not (device.type == "cuda" and torch.cuda.is_available()):
-        raise OffloadError(f"offload runs on cpu or an available cuda device, not {device}")
-    return device
-
-
-def check_dtype_runs(device: torch.device, dtype: torch.dtype) -> None:
-    """Fail now, not mid-generation, if the device cannot run a matmul and softmax in `dtype`."""
-    old_gpu = device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False)
-    if dtype == torch.bfloat16 and old_gpu:  # emulated bfloat16 runs, slowly
-        raise OffloadError(f"{device} has no native bfloat16; pass dtype=torch.float16")
-    try:
-        x = torch.ones(2, 8, dtype=dtype, device=device)  # (2, 8)
-        torch.softmax(x @ x.T, dim=-1)
-    except (RuntimeError, NotImplementedError, TypeError) as err:
-        reason = one_line(err)
-        raise OffloadError(f"{device} cannot run {dtype} ({reason}); pass another dtype") from None
 
 
 DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -370,7 +225,6 @@ class Checkpoint:
         if not isinstance(layers, torch.nn.ModuleList):
             family = model.config.model_type
             raise OffloadError(f"{self.folder}: {family} has no decoder layers at model.layers")
-        self.name_as(model)  # a mixture's experts: stored one by one, stacked in the model
         shapes = {name: tuple(p.shape) for name, p in layers[0].named_parameters()}
         for i in range(len(layers)):
             for name, shape in shapes.items():
@@ -403,89 +257,6 @@ class Checkpoint:
         """Changes when the checkpoint's files do: an older offload folder is then not reused."""
         stamps = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in self.shards]
         return hashlib.sha1(repr((str(self.folder.resolve()), stamps)).encode()).hexdigest()[:12]
-
-
-# ---- one check and one load of a model folder, in memory or offloaded ----
-
-EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
-
-
-def open_checkpoint(folder: Path, config, dtype=None) -> tuple[Checkpoint, torch.nn.Module]:
-    """The checkpoint, and the model its config describes (on meta, in `dtype`, by default the
-    checkpoint's own), checked to fill it exactly.
-
-    The one check of a folder's weights, whether the model then runs in memory (cli.load_model)
-    or offloaded (offload.from_pretrained): a folder is refused by both tiers or by neither."""
-    ckpt = Checkpoint(folder)
-    model = skeleton(config, folder, dtype or ckpt.dtype)
-    ckpt.name_as(model)  # a mixture's experts: stored one by one, stacked in the model
-    check_weights(ckpt, model)
-    return ckpt, model
-
-
-def ties_head(model: torch.nn.Module) -> bool:
-    """Whether the LM head is the embedding (tie_word_embeddings), as the built model has it."""
-    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
-
-
-def check_weights(ckpt: Checkpoint, model: torch.nn.Module) -> None:
-    """No weight missing, none the model has no place for, none of another shape.
-
-    Hugging Face fills a missing weight with random numbers and runs; we refuse. A tied head
-    needs no lm_head.weight; a stored one is accepted only if it equals the embedding, so that
-    no reader can take the one for the other."""
-    want = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    have = {name: ckpt.spec(name)[1] for name in ckpt.names()}
-    if ties_head(model):
-        del want[HEAD]
-        if HEAD in have and not (
-            have[HEAD] == have.get(EMBEDDING)
-            and torch.equal(ckpt.tensor(HEAD, have[HEAD]), ckpt.tensor(EMBEDDING, have[HEAD]))
-        ):
-            raise OffloadError(
-                f"{ckpt.folder}: config.json ties lm_head to the embedding (tie_word_embeddings), "
-                "but the checkpoint holds another lm_head.weight"
-            )
-        have.pop(HEAD, None)
-    common = sorted(want.keys() & have.keys())
-    for names, what in [
-        (want.keys() - have.keys(), "lacks {n} weights its config.json asks for"),
-        (have.keys() - want.keys(), "holds {n} weights its config.json has no place for"),
-        (
-            [f"{name} {have[name]} vs {want[name]}" for name in common if have[name] != want[name]],
-            "has {n} weights of another shape than its config.json gives",
-        ),
-    ]:
-        if names:
-            first = sorted(names)[0] + (", ..." if len(names) > 1 else "")
-            raise OffloadError(
-                f"{ckpt.folder}: the checkpoint {what.format(n=len(names))} ({first})"
-            )
-
-
-def load_weights(ckpt: Checkpoint, model, device, dtype, generation, layers=True) -> None:
-    """Give `model` (checked by open_checkpoint) the checkpoint's tensors on `device` in `dtype`:
-    all of them, or with layers=False all but the decoder layers' (offload.py streams those)."""
-    tied = ties_head(model)
-    # Buffers (rotary frequencies, Gemma's embedding scale) are computed, not stored: give them
-    # memory on the device and let the model's own initializer compute them, while the
-    # parameters are still meta (it would overwrite loaded ones).
-    for name, buffer in list(model.named_buffers()):
-        owner, _, leaf = name.rpartition(".")
-        model.get_submodule(owner)._buffers[leaf] = torch.empty_like(buffer, device=device)
-    for owner in {name.rpartition(".")[0] for name, _ in model.named_buffers()}:
-        model._init_weights(model.get_submodule(owner))
-    tensors = {
-        name: ckpt.tensor(name, param.shape).to(device=device, dtype=dtype)
-        for name, param in model.named_parameters()  # a tied head is listed once, as EMBEDDING
-        if layers or not name.startswith("model.layers.")
-    }
-    model.load_state_dict(tensors, strict=False, assign=True)
-    if tied:  # the head still holds the embedding's meta tensor: tie it to the new one
-        model.lm_head.weight = model.model.embed_tokens.weight
-    if generation is not None:
-        model.generation_config = generation
-    model.requires_grad_(False).eval()
 
 
 # ---- the ssd tier's files: the checkpoint's own, or a converted copy with one file per layer ----

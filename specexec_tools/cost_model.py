@@ -5,13 +5,13 @@ over the tree and some bookkeeping, so auto takes the budget b and depth d that 
 
     tokens/s = E[tokens](b, d) / (d * t_draft + t_target(b + 1) + t_other).
 
-Everything on the right is measured as the run goes, by `specexec.speculative_step` calling
-`observe` after each step and `choose` before the next. This file knows nothing of models: a
-tree is anything with `tokens`, `parents`, `cum_logprob` and `depth` (specexec.DraftTree).
+Everything on the right is measured as the run goes: the loop (specexec.decode_loop) asks
+`choose` before each step and hands `update` what the step did (a specexec.Step), as it does
+with a fixed budget's policy. This file knows nothing of models: a tree is anything with
+`tokens`, `parents`, `cum_logprob` and `depth` (specexec.DraftTree).
 """
 
 import math
-import time
 from dataclasses import dataclass, field
 from itertools import accumulate
 
@@ -155,32 +155,27 @@ class CostModel:
 
     # ---- measuring and choosing ----
 
-    def observe(self, choice, n_fed, started, stats, tree, path, bonus):
-        """What a step of `choice` = (budget, depth) cost, and what the target picked at each
-        node it reached: the path's tokens, then the bonus. n_fed: the tokens its target pass
-        read; started: (perf_counter(), Stats) when it started, stats: its Stats now
-        (specexec.Stats)."""
-        now, before = time.perf_counter(), started[1]
-        passes = stats.draft_passes - before.draft_passes
-        seconds = dict(draft=stats.time_draft - before.time_draft)
-        seconds["target"] = stats.time_target - before.time_target
-        seconds["other"] = now - started[0] - seconds["draft"] - seconds["target"]
-        budget, depth = choice
-        first, step = not self.steps, sum(seconds.values())
-        self.target_s[n_fed] = running_mean(self.target_s.get(n_fed), seconds["target"])
+    def update(self, step):
+        """What a step (specexec.Step) of (budget, depth) cost, and what the target picked at
+        each node it reached: the path's tokens, then the bonus."""
+        budget, depth, passes = step.budget, step.depth, step.draft_passes
+        choice, other_s = (budget, depth), step.total_s - step.draft_s - step.target_s
+        first = not self.steps
+        self.target_s[step.n_fed] = running_mean(self.target_s.get(step.n_fed), step.target_s)
         if not first:  # the first step reads the prompt too: no step's whole cost
             if budget:  # how far the parts fell short of the whole, as predicted
                 predicted = self.from_parts(budget, self.gains.get(choice, (0, passes))[1])
-                self.time_scale = running_mean(self.time_scale, step / predicted)
-            self.step_s[choice] = running_mean(self.step_s.get(choice), step)
-            self.other_s = running_mean(self.other_s if self.steps > 1 else None, seconds["other"])
+                self.time_scale = running_mean(self.time_scale, step.total_s / predicted)
+            self.step_s[choice] = running_mean(self.step_s.get(choice), step.total_s)
+            self.other_s = running_mean(self.other_s if self.steps > 1 else None, other_s)
         self.steps += 1
-        self.plain_s = 0.0 if budget else self.plain_s + step
+        self.plain_s = 0.0 if budget else self.plain_s + step.total_s
         if not budget:
             return
         self.tree_steps, self.largest = self.tree_steps + 1, max(self.largest, budget)
-        self.draft_s = running_mean(self.draft_s, seconds["draft"] / passes)
-        picked = dict(zip([0, *path], [*(tree.tokens[node] for node in path), bonus]))
+        self.draft_s = running_mean(self.draft_s, step.draft_s / passes)
+        tree, path = step.tree, step.path
+        picked = dict(zip([0, *path], step.tokens))  # at each node reached, the target's pick
         for node, parent in enumerate(tree.parents):  # every child the draft proposed there
             if parent in picked:
                 edge = self.bin(tree.cum_logprob[node] - tree.cum_logprob[parent])

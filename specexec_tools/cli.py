@@ -1,0 +1,426 @@
+"""The command line: `python specexec.py` (or the `specexec` command once installed).
+
+One run, top-down: parse the flags into specexec.Options -> open and check both model folders
+(models.open_model) -> tokenize -> check the pair and the prompt (models.preflight), all before
+any weight is read -> load (in memory, offloaded, or the target's own quantized copy as draft)
+-> specexec.generate, streaming -> print the summary. With no flags it runs the project's own
+pair on a held-out code prompt.
+
+Every bad input ends the same way: one line `error: ...` on stderr, exit status 2, no traceback,
+and nothing written; so does an output that cannot be written (a full disk, a closed stdout).
+Ctrl-C exits with 130, a closed pipe (`| head`) quietly.
+"""
+
+import argparse
+import math
+import os
+import sys
+import time
+from dataclasses import fields, replace
+from pathlib import Path
+
+try:  # torch takes seconds to import: Ctrl-C meanwhile exits as it does later, quietly
+    import torch
+
+    import offload
+    import specexec
+    from specexec_tools import models, quantize
+    from specexec_tools.checkpoint import OffloadError, one_line
+    from specexec_tools.models import SpecExecError
+except KeyboardInterrupt:
+    sys.exit(130)
+
+HERE = Path(__file__).resolve().parent.parent  # the clone: models/ holds the default pair
+DIM, RESET = "\033[2m", "\033[0m"
+
+
+# ---- flags: generation options from specexec.Options, the rest here ----
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse prints usage and two lines; keep the one-line promise
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        sys.exit(2)
+
+    def print_help(self, file=None):  # argparse would drop a failed write (a full disk) silently
+        print(self.format_help(), end="", file=file or sys.stdout)
+
+    def exit(self, status=0, message=None):  # after --help: a full stdout fails here, not at exit
+        if sys.stdout is not None:
+            sys.stdout.flush()
+        super().exit(status, message)
+
+
+def finite(text):
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+    return value
+
+
+def positive(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
+    return value
+
+
+def count_or_auto(text):
+    try:
+        return text if text == "auto" else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor auto") from None
+
+
+def parse_args(argv=None):
+    parser = Parser(
+        description="SpecExec speculative decoding. With no arguments, runs the project's own "
+        "target/draft pair on a held-out code prompt."
+    )
+    add = parser.add_argument_group("model and prompt").add_argument
+    add("--target", metavar="PATH_OR_ID", help="hub id or folder (default: models/target)")
+    add(
+        "--draft",
+        metavar="PATH_OR_ID",
+        help="hub id or folder (default: models/draft); or int8 / int4: the target's own "
+        "quantized copy, every layer on the device (it holds the dequantized weights too, so it "
+        "saves no memory)",
+    )
+    add("--prompt", help="prompt text (default: a held-out prompt of the pair)")
+    add("--prompt-index", type=int, default=16, metavar="N", help="which of models/prompts.json")
+    add(
+        "--chat-template",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="wrap the prompt in the tokenizer's chat template (auto: when it has one)",
+    )
+    add = parser.add_argument_group("device").add_argument
+    add("--device", metavar="NAME", help="cpu, cuda, cuda:1... (default: cuda if available)")
+    add(
+        "--dtype",
+        choices=("auto", "float32", "float16", "bfloat16", "float64"),
+        default="auto",
+        help="auto: float32 on cpu (half precision runs about 6x slower there; with --offload "
+        "ssd a half checkpoint is then read from a float32 copy), else the checkpoint's own",
+    )
+    add("--threads", type=positive, metavar="N", help="CPU threads (default: torch's)")
+    add("--offload", choices=("ram", "ssd"), help="stream the target's layers from RAM or disk")
+    add(
+        "--offload-dir",
+        type=Path,
+        default=Path("~/.cache/specexec/offload"),
+        metavar="DIR",
+        help="where ssd writes a per-layer copy when the checkpoint cannot be read in place "
+        "(another --dtype than the checkpoint's); default: %(default)s",
+    )
+    add("--offload-clean", action="store_true", help="delete that copy after the run")
+    add(
+        "--quantize",
+        choices=quantize.KINDS,
+        help="with --offload: store and move the target's linear weights in 8 or 4 bits, "
+        "dequantized on the device (ssd writes a quantized copy into --offload-dir once)",
+    )
+    add(
+        "--device-memory",
+        type=finite,
+        metavar="GB",
+        help="with --offload: device memory the target may hold; after its embeddings, head, KV "
+        "cache (the prompt, the new tokens and the largest tree: 1024 nodes with budget auto) and "
+        "ring, as many layers as fit stay resident and are never streamed",
+    )
+    add = parser.add_argument_group("generation (defaults: specexec.Options)").add_argument
+    default = " (default: %(default)s)"
+    for f in fields(specexec.Options):  # one source of defaults and help for the API and the CLI
+        real, auto = f.type in (float, float | None), f.type == int | str
+        add(
+            "--" + f.name.replace("_", "-"),
+            type=finite if real else count_or_auto if auto else int,
+            default=f.default,
+            metavar="X" if real else "N|auto" if auto else "N",
+            help=f.metadata["help"] + ("" if "default" in f.metadata["help"] else default),
+        )
+    add = parser.add_argument_group("output").add_argument
+    add("--compare", action="store_true", help="also time plain decoding (both warmed up first)")
+    add("--verbose", action="store_true", help="show transformers' loading logs")
+    return parser.parse_args(argv)
+
+
+# ---- one run ----
+
+
+def run(args):
+    opts = specexec.Options(**{f.name: getattr(args, f.name) for f in fields(specexec.Options)})
+    device = models.pick_device(args.device)
+    check_flags(args, opts)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not args.verbose:  # no per-tensor progress bars and load reports
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
+        logging.set_verbosity_error()
+
+    # Everything is checked before any weight is read.
+    self_draft = args.draft in quantize.KINDS  # the target's own copy: its tokenizer too
+    names = model_name(args.target, "--target"), self_draft or model_name(args.draft, "--draft")
+    prompt = args.prompt if args.prompt is not None else default_prompt(args.prompt_index)
+    target = models.open_model(names[0])
+    draft = target if self_draft else models.open_model(names[1])
+    tokenizers = [models.load_tokenizer(target.folder)]
+    tokenizers.append(tokenizers[0] if self_draft else models.load_tokenizer(draft.folder))
+    input_ids = models.tokenize(tokenizers[0], prompt, args.chat_template, target.folder)
+    seq, _, eos = models.preflight(target, draft, input_ids, None, tokenizers)
+
+    dtype = torch.float32 if args.dtype == "auto" and device.type == "cpu" else None
+    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else dtype  # None: the checkpoint's
+    largest = 1024 if opts.budget == "auto" else opts.budget  # cost_model.CostModel.BUDGETS[-1]
+    context = len(seq) + opts.max_new_tokens + largest + 1  # the KV cache: prefix and tree
+    loaded = []
+    try:
+        for role, opened in ("target", target), ("draft", draft):
+            loaded.append(load(opened, role, args, device, dtype, context))
+        report(*loaded, tokenizers[0], seq, list(eos), args, opts, device)
+    finally:
+        for model in loaded:
+            if isinstance(model, offload.OffloadedCausalLM):
+                model.close()
+        if loaded and args.offload:
+            clean_offload(loaded[0], args.offload_clean)
+
+
+def load(opened, role, args, device, dtype, context):
+    """The one load of a checked folder: in memory, the target offloaded (--offload), or the
+    draft as the target's own int8 / int4 copy, every layer resident (--draft int8|int4)."""
+    if role == "draft" and args.draft in quantize.KINDS:
+        return offload.self_draft(opened, args.draft, device=device, dtype=dtype)
+    if role == "target" and args.offload:
+        memory = None if args.device_memory is None else args.device_memory * 1e9
+        return offload.from_pretrained(
+            opened, mode=args.offload, device=device, dtype=dtype, quantize=args.quantize,
+            offload_dir=args.offload_dir.expanduser(), device_memory=memory, context=context,
+        )  # fmt: skip
+    return models.load(opened, device, dtype)
+
+
+def report(target, draft, tokenizer, seq, eos, args, opts, device):
+    """Generate, streaming; then the summary, and with --compare plain decoding beside it."""
+    if opts.seed is None:  # one seed for both runs, so --compare can match them
+        opts = replace(opts, seed=torch.seed())
+    if args.compare:  # both warmed up before either is timed: neither pays the first passes
+        specexec.generate(
+            target, draft, seq, eos_token_id=eos, opts=replace(opts, max_new_tokens=2)
+        )
+        specexec.autoregressive(target, seq, eos_token_id=eos, opts=replace(opts, max_new_tokens=2))
+    tty = sys.stdout.isatty()
+    dim, reset = (DIM, RESET) if tty else ("", "")
+    # On a terminal the prompt is dim; in a file or pipe a line marks where the output starts.
+    print(f"{dim}{tokenizer.decode(seq)}{reset}", end="" if tty else "\n--- continuation ---\n")
+    sys.stdout.flush()
+    stream = Streamer(tokenizer)
+    tokens, stats = specexec.generate(
+        target, draft, seq, eos_token_id=eos, on_tokens=stream, opts=opts
+    )
+    print(f"\n\n{dim}specexec: {stats.summary()}{reset}")
+    if args.offload:
+        last = target.stats  # the last target pass
+        rate = f" ({last.gb_per_s:.2f} GB/s)" if last.bytes_moved > 1e8 else ""
+        print(
+            f"{dim}offload ({args.offload}): {last.resident_layers} of "
+            f"{target.config.num_hidden_layers} layers resident; the last target pass moved "
+            f"{last.bytes_moved / 1e6:,.1f} MB in {last.pass_s:.3f}s{rate}, {last.wait_s:.3f}s of "
+            f"it waiting for weights{reset}"
+        )
+    if not args.compare:
+        return
+    progress = Progress(opts.max_new_tokens, "plain decoding")
+    base_tokens, base = specexec.autoregressive(
+        target, seq, eos_token_id=eos, on_tokens=progress, opts=opts
+    )
+    progress.done()
+    print(f"{dim}plain decoding: {base.summary()}{reset}")
+    if base.new_tokens and stats.new_tokens:
+        speedup = stats.tokens_per_second / base.tokens_per_second
+        print(
+            f"speedup {speedup:.2f}x: SpecExec against plain decoding of the same target, both "
+            f"warmed up ({stats.tokens_per_step:.2f} tokens per target pass)"
+        )
+        if speedup < 1 and device.type == "cpu" and args.offload != "ssd":
+            where = "in memory" if not args.offload else "in RAM (on a CPU, a memory copy)"
+            print(
+                f"{dim}(not SpecExec's regime: with the target {where}, a pass over a tree costs "
+                f"more than a one-token pass. It pays where the weights stream over a slow link: "
+                f"`python -m scripts.bench_disk --grow-to big-target`, then `python specexec.py "
+                f"--target big-target --offload ssd --compare`){reset}"
+            )
+    print("identical output" if base_tokens == tokens else "outputs differ")
+
+
+# ---- inputs: flags, folders, the default prompt ----
+
+
+def check_flags(args, opts):
+    """Flags that only make sense together, and output that cannot take a model's text."""
+    cores = os.cpu_count() or 1
+    pairs = [
+        (args.offload_clean and args.offload != "ssd",
+         "--offload-clean goes with --offload ssd (only ssd writes a copy)"),
+        (args.quantize and not args.offload,
+         "--quantize goes with --offload (it quantizes the streamed layers)"),
+        (args.device_memory is not None and not args.offload,
+         "--device-memory goes with --offload (it keeps streamed layers)"),
+        (args.compare and opts.max_new_tokens == 0,
+         "--compare times decoding: give it --max-new-tokens of at least 1"),
+        ((args.threads or 0) > cores, f"--threads {args.threads}: this machine has {cores} cores"),
+    ]  # fmt: skip
+    for wrong, message in pairs:
+        if wrong:
+            raise SpecExecError(message)
+    try:  # any character a model may write (ascii:replace, say, takes them all)
+        "\u00e9\u2014\U0001f600".encode(sys.stdout.encoding, sys.stdout.errors or "strict")
+    except (UnicodeEncodeError, LookupError, TypeError):
+        raise SpecExecError(
+            f"standard output's encoding {sys.stdout.encoding} cannot write all of a model's "
+            "text: set PYTHONIOENCODING=utf-8"
+        ) from None
+
+
+def model_name(name, flag):
+    """--target or --draft: a folder or hub id; None: the project's own (models/target or
+    models/draft); '' is no name, not the default."""
+    if name is None:
+        if not (HERE / "models" / "target").is_dir():
+            raise SpecExecError(
+                f"the default pair lives in a clone's models/, not beside {HERE}: pass --target "
+                "and --draft (a hub id or a folder), or install the clone with `pip install -e .`"
+            )
+        return str(HERE / "models" / flag.removeprefix("--"))
+    if not name.strip():
+        raise SpecExecError(f"{flag} is empty: pass a model folder or a hub id")
+    return name
+
+
+def default_prompt(index):
+    import json
+
+    path = HERE / "models" / "prompts.json"
+    if not path.is_file():  # installed with `pip install .`: models/ stays in the clone
+        raise SpecExecError(f"no default prompts at {path}: pass --prompt (or run from a clone)")
+    try:
+        prompts = json.loads(path.read_text())
+        count = len(prompts)
+        prompt = prompts[index]["prompt"] if 0 <= index < count else None
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise SpecExecError(f"{path} is damaged ({one_line(error)}); pass --prompt") from None
+    if prompt is None:
+        raise SpecExecError(f"--prompt-index {index}: models/prompts.json has 0..{count - 1}")
+    if not isinstance(prompt, str):
+        raise SpecExecError(f"{path} is damaged (prompt {index} is no text); pass --prompt")
+    return prompt
+
+
+# ---- output ----
+
+
+class Streamer:
+    """Prints text as tokens arrive; holds back an incomplete UTF-8 character."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.ids, self.printed = tokenizer, [], 0
+
+    def __call__(self, tokens):
+        self.ids += tokens
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        print(text[self.printed :], end="", flush=True)
+        self.printed = len(text)
+
+
+class Progress:
+    """On a terminal (stderr), a line that says how far a silent run is: tokens so far, tokens/s
+    and time left at that rate; nothing in a pipe or a file."""
+
+    def __init__(self, total, what):
+        self.total, self.what, self.done_tokens = total, what, 0
+        self.start, self.shown = time.perf_counter(), sys.stderr is not None and sys.stderr.isatty()
+
+    def __call__(self, tokens):
+        self.done_tokens += len(tokens)
+        if self.shown:
+            rate = self.done_tokens / max(1e-9, time.perf_counter() - self.start)
+            left = (self.total - self.done_tokens) / rate
+            print(
+                f"\r{self.what}: {self.done_tokens}/{self.total} tokens, {rate:.3g} tokens/s, "
+                f"at most {left:.0f}s left ",
+                end="", file=sys.stderr, flush=True,
+            )  # fmt: skip
+
+    def done(self):
+        if self.shown:
+            print("\r\033[K", end="", file=sys.stderr, flush=True)  # the line, erased
+
+
+def clean_offload(target, remove):
+    """Say where a converted copy of the checkpoint is, or remove it."""
+    folder = getattr(target, "converted_folder", None)  # None: read the checkpoint in place
+    if folder is None or not folder.exists():
+        return
+    if remove:
+        import shutil
+
+        try:
+            shutil.rmtree(folder)
+        except OSError as error:
+            raise SpecExecError(
+                f"--offload-clean: cannot remove the converted copy {folder} "
+                f"({error.strerror or error}: {error.filename})"
+            ) from None
+        print(f"offload: removed the converted copy {folder}", file=sys.stderr)
+        return
+    size = sum(f.stat().st_size for f in folder.iterdir()) / 1e9
+    print(
+        f"offload: a converted copy ({size:.2f} GB) stays in {folder} for the next run; "
+        "--offload-clean removes it",
+        file=sys.stderr,
+    )
+
+
+# ---- entry point ----
+
+
+def main(argv=None):
+    try:
+        if sys.stdout is None:  # started with `>&-`
+            raise SpecExecError("standard output is closed: send it to a file or /dev/null")
+        run(parse_args(argv))
+        sys.stdout.flush()  # a full disk or closed pipe fails here, inside the handlers
+    except (SpecExecError, OffloadError) as error:
+        fail(str(error))
+    except KeyboardInterrupt:  # Ctrl-C: leave the terminal as we found it
+        if sys.stdout is not None and sys.stdout.isatty():
+            print(RESET)
+        sys.exit(130)
+    except BrokenPipeError:  # the reader left (`| head`): stop quietly
+        drop_stdout()
+        sys.exit(1)
+    except OSError as error:  # mostly stdout that cannot be written (/dev/full, ulimit -f); the
+        drop_stdout()  # inputs' file errors are SpecExecErrors, caught where they are read
+        where = error.filename or "cannot write the output"
+        fail(f"{where} ({error.strerror or error})")
+
+
+def fail(message):
+    try:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    except (OSError, AttributeError):  # stderr full or closed: the status still says bad input
+        os._exit(2)
+    sys.exit(2)
+
+
+def drop_stdout():
+    """Send what stdout still holds to /dev/null, so that exiting does not fail on it again."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+if __name__ == "__main__":
+    main()

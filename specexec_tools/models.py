@@ -1,0 +1,551 @@
+"""From a model folder to a checked model: find it, open it once, check the pair and the prompt,
+load it. The one path of the CLI, `specexec.generate` and `offload.from_pretrained`.
+
+    find_folder(name)        a local folder, or a hub id's snapshot
+    open_model(folder)       -> Opened: config and generation config read once, the checkpoint's
+                             headers read once and checked to fill the model exactly, each
+                             layer's attention window heard once (refuses what a tree cannot run)
+    preflight(target, draft, input_ids)
+                             the pair and the prompt: vocabularies, tokenizers, context, EOS;
+                             before any weight loads (CLI) or any pass runs (generate)
+    load(opened, device, dtype)
+                             the model in memory; offload.from_pretrained streams it instead,
+                             from the same Opened
+
+Every refusal is one line naming the input: `SpecExecError` for what a user asks of a run,
+`checkpoint.OffloadError` for a model folder; the CLI prints either as `error: ...`, exit 2.
+"""
+
+import copy
+import numbers
+import os
+import weakref
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+
+from specexec_tools.checkpoint import Checkpoint, OffloadError, one_line
+
+
+class SpecExecError(ValueError):
+    """Bad input, reported to the user in one line."""
+
+
+class UnsupportedModel(SpecExecError):
+    """A model whose layers a tree pass cannot run, reported to the user in one line."""
+
+
+# How a model is handed its KV cache: transformers 5.24 renamed the forward's `past_key_values`
+# to `cache` (the old name warns on stderr, and goes in 5.40). Every call passes `**{CACHE: c}`.
+CACHE = (
+    "cache" if [*map(int, version("transformers").split(".")[:2])] >= [5, 24] else "past_key_values"
+)
+
+
+# ---- finding and opening a model folder ----
+
+
+def find_folder(name: str) -> Path:
+    """A local model folder: the folder given, or a hub id's snapshot (cached, else downloaded:
+    config, tokenizer and weights, .bin only where a repo has no safetensors). The one finder of
+    the CLI's models and the offloader's; what it cannot find is one line naming `name`."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise OffloadError(f"{name}: cannot read this folder (permission denied)")
+        if not (path / "config.json").is_file():
+            raise OffloadError(f"{name}: no config.json in this folder")
+        return path
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise OffloadError(f"{name}: no such model folder")
+    from huggingface_hub import constants, snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt"]  # config, weights, tokenizer
+    try:
+        return Path(snapshot_download(name, allow_patterns=patterns, local_files_only=True))
+    except (OSError, ValueError):
+        pass  # not in the cache
+    # The hub client retries a dead network for half a minute; one quick look decides instead.
+    offline = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else unreachable()
+    if offline:
+        raise OffloadError(
+            f"{name}: no such folder, not in the Hugging Face cache, and {offline}; "
+            "pass a local model folder (or download it once online; HF_HUB_OFFLINE=1 then "
+            "uses the cache only)"
+        )
+    try:
+        folder = Path(snapshot_download(name, allow_patterns=patterns))
+        if not any(folder.glob("*.safetensors")):
+            folder = Path(snapshot_download(name, allow_patterns=[*patterns, "*.bin"]))
+    except Exception as err:  # what the hub raises varies with the failure and the version
+        raise OffloadError(f"{name}: cannot download it ({one_line(err)})") from None
+    return folder
+
+
+def unreachable() -> str | None:
+    """Why the hub cannot be reached, or None."""
+    import socket
+    import urllib.request
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    url = urlsplit(constants.ENDPOINT)
+    if url.scheme in urllib.request.getproxies():
+        return None  # the client goes through a proxy; let it try
+    try:
+        port = url.port or (443 if url.scheme == "https" else 80)
+        socket.create_connection((url.hostname, port), timeout=5).close()
+    except OSError as err:
+        return f"{url.hostname} cannot be reached ({err.strerror or err})"
+    return None
+
+
+@dataclass
+class Opened:
+    """A model folder, checked. What runs it next (in memory, offloaded, the target's own
+    quantized copy as draft) reads from here and opens nothing again."""
+
+    folder: Path
+    config: object  # transformers' PretrainedConfig
+    generation_config: object | None  # its generation_config.json (EOS ids), where it has one
+    checkpoint: Checkpoint  # where each tensor's bytes are; shapes checked against the config
+    windows: dict  # attention_windows: layer type -> how far back it looks
+
+    def skeleton(self, dtype=None) -> torch.nn.Module:
+        """The model its config describes, on meta, in `dtype` (default: the checkpoint's)."""
+        return skeleton(self.config, self.folder, dtype or self.checkpoint.dtype)
+
+
+def open_model(name) -> Opened:
+    """A model folder or hub id, opened and checked once, before any weight is read: a causal LM
+    of transformers whose layers a tree pass can run (`listen_to_layers`: attention that takes a
+    4D mask, a cache of keys and values), whose checkpoint holds every weight its config asks
+    for, with its shape, and nothing else. An Opened passes through unchanged."""
+    if isinstance(name, Opened):
+        return name
+    from transformers import AutoConfig, GenerationConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    folder = find_folder(str(name))
+    try:
+        config = AutoConfig.from_pretrained(folder)
+        generation = None
+        if (folder / "generation_config.json").is_file():
+            generation = GenerationConfig.from_pretrained(folder)
+    except Exception as err:  # transformers checks values as it reads them, with its own errors
+        raise OffloadError(f"{folder}: cannot load its config ({one_line(err)})") from None
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise OffloadError(f"{folder}: {config.model_type!r} is no causal LM of transformers")
+    counts = ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings")
+    for count in counts[:3]:
+        check_count(config, count, folder)  # 0 or -1 layers build an empty model without a word
+    model = skeleton(config, folder)  # an unknown activation or rope type: its own error
+    try:
+        windows = listen_to_layers(config)
+    except UnsupportedModel as err:
+        raise OffloadError(f"{folder}: {err}") from None
+    check_count(config, counts[3], folder)  # the context (context_length)
+    checkpoint = Checkpoint(folder)
+    checkpoint.name_as(model)  # a mixture's experts: stored one by one, stacked in the model
+    check_weights(checkpoint, model)
+    return Opened(folder, config, generation, checkpoint, windows)
+
+
+def check_count(config, name: str, folder: Path) -> None:
+    value = getattr(config, name, None)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise OffloadError(f"{folder}: config.json gives {name} {value!r}, not a count >= 1")
+
+
+def skeleton(config, folder: Path, dtype=None) -> torch.nn.Module:
+    """The model the config describes, on the meta device: its names, shapes and code, no bytes.
+
+    An unknown activation or rope type only fails here, when transformers builds the model."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except Exception as err:
+        raise OffloadError(f"{folder}: cannot build its model ({one_line(err)})") from None
+    if dtype == torch.float64 and "grouped_mm" in model.get_experts_implementation().values():
+        model.set_experts_implementation("eager")  # a mixture's default kernel lacks float64
+    return model
+
+
+# ---- how far back each layer looks: heard from the layers themselves ----
+
+_windows = weakref.WeakKeyDictionary()  # model -> attention_windows(model)
+
+
+def attention_windows(model):
+    """How far back each decoder layer looks: {None: window} when all layers share one, else
+    {layer type: window} (the keys of `config.layer_types`); window None = the whole prefix.
+
+    A tree needs the mask each layer would build for itself, and what a layer does is decided
+    by its code, not by the config's fields: a Llama config may carry `sliding_window`, which
+    Llama never applies. So we ask the layers (`listen_to_layers`), once per model: a model
+    loaded from an Opened folder has them already."""
+    if model not in _windows:
+        _windows[model] = listen_to_layers(model.config)
+    return _windows[model]
+
+
+def listen_to_layers(config):
+    """`attention_windows`, heard from a model built from `config` on the meta device.
+
+    Each attention layer hands its window to the attention function (kernels such as
+    flash-attention slide by it; sdpa and eager slide by the mask the model builds from the same
+    setting). We build the model from its config on the meta device (no memory, no compute), run
+    one token through it with an attention function that only listens, and read what every layer
+    passed. The same run checks that every layer is attention that takes our 4D mask as given;
+    one that is not (a recurrent state, which cannot be rolled back to the accepted path) is
+    refused in one line."""
+    from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
+
+    family, n_layers = config.model_type, config.num_hidden_layers
+    given = torch.zeros(1, 1, 1, 1, device="meta")  # (1, 1, 1, 1): the 4D mask we pass
+    heard = {}  # layer index -> (the window it passes, whether it got our mask)
+
+    def listen(module, query, key, value, attention_mask, sliding_window=None, **kwargs):
+        heard[module.layer_idx] = (sliding_window, attention_mask is given)
+        batch, heads, n, _ = query.shape  # what attention returns: (batch, n, heads, v_dim)
+        return query.new_zeros(batch, n, heads, value.shape[-1]), None
+
+    AttentionInterface.register("specexec_listen", listen)
+    config = copy.deepcopy(config)  # from_config keeps the config it is given, and edits it
+    try:
+        # The cache transformers builds for it says what each layer keeps: a step keeps the
+        # accepted path by gathering its keys and values, which a recurrent state (Mamba,
+        # linear attention) or a compressed one does not hold.
+        for layer, kept in enumerate(DynamicCache(config=config).layers):
+            if type(kept).__name__ not in ("DynamicLayer", "DynamicSlidingWindowLayer"):
+                raise UnsupportedModel(
+                    f"{family} is not supported: layer {layer} keeps a {type(kept).__name__}, "
+                    "not only keys and values: a tree's accepted path cannot be kept"
+                )
+        with torch.device("meta"):  # batched_mm: a mixture's experts as they run on meta
+            model = AutoModelForCausalLM.from_config(config, experts_implementation="batched_mm")
+            model.config._attn_implementation = "specexec_listen"
+            one = torch.zeros(1, 1, dtype=torch.long)  # (1, 1)
+            model(one, attention_mask=given, position_ids=one, **{CACHE: DynamicCache()})
+    except UnsupportedModel:
+        raise
+    except Exception as error:  # what a family raises on meta tensors or a plain cache varies
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise UnsupportedModel(f"{family} is not supported: a tree pass fails ({reason})") from None
+    for layer in range(n_layers):
+        window, takes_mask = heard.get(layer, (None, None))
+        if takes_mask is None:
+            raise UnsupportedModel(
+                f"{family} is not supported: layer {layer} does not attend through "
+                "transformers' attention functions, so its tree mask cannot be checked"
+            )
+        if not takes_mask:
+            raise UnsupportedModel(f"{family} is not supported: its attention ignores a 4D mask")
+        if window is not None and window < 1:
+            raise UnsupportedModel(
+                f"{family}: a sliding window of {window} lets a token see nothing"
+            )
+    windows = [heard[layer][0] for layer in range(n_layers)]  # None: no window
+    if len(set(windows)) < 2:
+        return {None: next(iter(windows), None)}
+    # Layers that differ pick their mask from a dict by layer type (Gemma 2, Qwen2, SmolLM3)
+    kinds = getattr(config, "layer_types", None) or []
+    by_kind = dict(zip(kinds, windows))
+    if [by_kind.get(kind) for kind in kinds] != windows or len(kinds) != n_layers:
+        raise UnsupportedModel(f"{family} is not supported: its layers' windows differ by no type")
+    return by_kind
+
+
+# ---- the pair and the prompt, before any weight is read ----
+
+
+def preflight(target, draft, input_ids, eos_token_id=None, tokenizers=None):
+    """Check a run's inputs; return (prompt as a list of ints, positions usable, EOS ids).
+
+    target, draft: models or Opened folders (anything with `.config`); draft None: plain
+    decoding. tokenizers: (target's, draft's), given by the CLI: ids must name the same strings
+    in both and have a row in both embeddings. Checked: the draft proposes no token the target
+    lacks; the prompt is token ids, not empty, shorter than both contexts, inside both
+    vocabularies; the EOS ids are ids (default: those of the target's generation config and
+    the target's tokenizer)."""
+    models = dict(model=target) if draft is None else dict(target=target, draft=draft)
+    if tokenizers is not None:
+        check_same_tokenizer(*tokenizers)
+        for model in models.values():
+            check_vocab(tokenizers[0], model)
+    if draft is not None:
+        check_draft_vocab(target.config, draft.config)
+    limit = min(context_length(model.config) for model in models.values())
+    seq = prompt_tokens(input_ids, limit, **models)
+    tokenizer = tokenizers[0] if tokenizers else None
+    return seq, limit, stop_tokens(eos_token_id, target, tokenizer)
+
+
+def context_length(config):
+    """Positions the model can use."""
+    return config.max_position_embeddings
+
+
+def check_draft_vocab(target_config, draft_config):
+    """Every token the draft proposes must be one the target has: its vocabulary is no larger.
+    (That ids also mean the same tokens: `check_same_tokenizer`, given the tokenizers.)"""
+    if draft_config.vocab_size > target_config.vocab_size:
+        raise SpecExecError(
+            f"the draft's vocabulary ({draft_config.vocab_size}) is larger than the target's "
+            f"({target_config.vocab_size}); they must share a tokenizer"
+        )
+
+
+def check_same_tokenizer(target_tokenizer, draft_tokenizer):
+    """Token ids must name the same strings in both models, or drafting means nothing."""
+    t_vocab, d_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
+    if t_vocab != d_vocab:
+        differ = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=lambda kv: kv[1])
+        raise SpecExecError(
+            f"target and draft tokenizers differ ({len(t_vocab)} vs {len(d_vocab)} tokens; "
+            f"first difference: {differ[0][0]!r} id {differ[0][1]}); they must share one"
+        )
+
+
+def check_vocab(tokenizer, model):
+    """Every id the tokenizer gives must have a row in the model's embedding."""
+    if len(tokenizer) > model.config.vocab_size:
+        raise SpecExecError(
+            f"{getattr(model, 'folder', 'a model')}: the tokenizer gives ids up to "
+            f"{len(tokenizer) - 1}, but the model's vocabulary holds {model.config.vocab_size}"
+        )
+
+
+def check_prompt(seq, limit):
+    if not seq:
+        raise SpecExecError("the prompt is empty")
+    if len(seq) >= limit:
+        raise SpecExecError(f"the prompt has {len(seq)} tokens; the context holds {limit}")
+
+
+def prompt_tokens(input_ids, limit, **models):
+    """The prompt as a list of ints, checked against the context and each model's vocabulary.
+
+    input_ids: a list of ints or an integer tensor (n,) or (1, n). models: role=model.
+    """
+    try:
+        ids = torch.as_tensor(input_ids)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise SpecExecError(f"input_ids must be a list of token ids ({error})") from None
+    if ids.dim() > 2 or (ids.dim() == 2 and ids.shape[0] != 1):
+        raise SpecExecError(f"input_ids must be (n,) or (1, n), got shape {tuple(ids.shape)}")
+    if ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
+        raise SpecExecError(f"input_ids must be integer token ids, got {ids.dtype}")
+    seq = ids.reshape(-1).tolist()
+    check_prompt(seq, limit)
+    for role, model in models.items():
+        vocab = model.config.vocab_size
+        outside = [token for token in seq if not 0 <= token < vocab]
+        if outside:
+            raise SpecExecError(
+                f"token id {outside[0]} is outside the {role}'s vocabulary ({vocab} tokens)"
+            )
+    return seq
+
+
+def stop_tokens(eos_token_id, model, tokenizer=None):
+    """Token ids to stop after: those given (an integer, numpy's and tensors' too, or a list of
+    them), else every EOS the model's generation config names and, given a tokenizer (the CLI
+    does), its own. `eos_token_id=[]` never stops early."""
+    if eos_token_id is None:
+        config = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos_token_id = token_ids(config) + token_ids(getattr(tokenizer, "eos_token_id", None))
+    ids = token_ids(eos_token_id)
+    for token in ids:  # a string is no list of ids, nor True the id 1
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+            raise SpecExecError(f"eos_token_id must be token ids (integers), got {token!r}")
+    return {int(token) for token in ids}
+
+
+def token_ids(ids):
+    """None, one id, or a list, tuple, set or tensor of them: a list."""
+    ids = ids.tolist() if hasattr(ids, "tolist") else ids  # tensors and numpy's
+    if ids is None:
+        return []
+    return list(ids) if isinstance(ids, (list, tuple, set, frozenset)) else [ids]
+
+
+def load_tokenizer(folder):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as error:  # a damaged file fails deep in tokenizers, with any exception
+        raise SpecExecError(f"{folder}: cannot load its tokenizer ({one_line(error)})") from None
+
+
+def tokenize(tokenizer, prompt, chat_template, folder):
+    """The prompt's ids, in the tokenizer's chat template where it has one (chat_template "auto"),
+    or as it is told ("on", "off")."""
+    try:  # bytes that are not UTF-8 reach sys.argv as lone surrogates, which no tokenizer takes
+        prompt.encode()
+    except UnicodeEncodeError as error:
+        byte = ord(prompt[error.start]) - 0xDC00  # how Python keeps an undecodable byte
+        raise SpecExecError(
+            f"--prompt is not UTF-8 text (byte {byte:#04x} at character {error.start})"
+        ) from None
+    has_template = tokenizer.chat_template is not None
+    if chat_template == "on" and not has_template:
+        raise SpecExecError(f"{folder}: its tokenizer has no chat template")
+    if chat_template == "off" or not has_template:
+        return tokenizer(prompt)["input_ids"]
+    messages = [{"role": "user", "content": prompt}]
+    try:  # transformers 5 returns a BatchEncoding, which is no dict: ask for it by name
+        encoded = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+    except Exception as error:  # a template is a program (Jinja) and can fail in any way
+        raise SpecExecError(f"{folder}: its chat template fails ({one_line(error)})") from None
+    return list(encoded["input_ids"])
+
+
+# ---- loading into memory ----
+
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def load(opened, device, dtype=None) -> torch.nn.Module:
+    """The model in memory, on `device`, in `dtype` (None: the checkpoint's own), from a folder
+    `open_model` checked (or a folder or hub id, opened here); offload.from_pretrained streams
+    the same Opened instead."""
+    opened = open_model(opened)
+    dtype = as_dtype(dtype)
+    model = opened.skeleton(dtype)
+    load_weights(opened, model, device, dtype or opened.checkpoint.dtype)
+    return model
+
+
+def ties_head(model: torch.nn.Module) -> bool:
+    """Whether the LM head is the embedding (tie_word_embeddings), as the built model has it."""
+    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+def check_weights(ckpt: Checkpoint, model: torch.nn.Module) -> None:
+    """No weight missing, none the model has no place for, none of another shape.
+
+    Hugging Face fills a missing weight with random numbers and runs; we refuse. A tied head
+    needs no lm_head.weight; a stored one is accepted only if it equals the embedding, so that
+    no reader can take the one for the other."""
+    want = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    have = {name: ckpt.spec(name)[1] for name in ckpt.names()}
+    if ties_head(model):
+        del want[HEAD]
+        if HEAD in have and not (
+            have[HEAD] == have.get(EMBEDDING)
+            and torch.equal(ckpt.tensor(HEAD, have[HEAD]), ckpt.tensor(EMBEDDING, have[HEAD]))
+        ):
+            raise OffloadError(
+                f"{ckpt.folder}: config.json ties lm_head to the embedding (tie_word_embeddings), "
+                "but the checkpoint holds another lm_head.weight"
+            )
+        have.pop(HEAD, None)
+    common = sorted(want.keys() & have.keys())
+    for names, what in [
+        (want.keys() - have.keys(), "lacks {n} weights its config.json asks for"),
+        (have.keys() - want.keys(), "holds {n} weights its config.json has no place for"),
+        (
+            [f"{name} {have[name]} vs {want[name]}" for name in common if have[name] != want[name]],
+            "has {n} weights of another shape than its config.json gives",
+        ),
+    ]:
+        if names:
+            first = sorted(names)[0] + (", ..." if len(names) > 1 else "")
+            raise OffloadError(
+                f"{ckpt.folder}: the checkpoint {what.format(n=len(names))} ({first})"
+            )
+
+
+#####LOADW
+
+
+def load_weights(opened: Opened, model, device, dtype, layers=True) -> None:
+    """Give `model` (a skeleton of `opened`) the checkpoint's tensors on `device` in `dtype`:
+    all of them, or with layers=False all but the decoder layers' (offload.py streams those).
+    The model keeps the folder's generation config and the attention windows heard at open."""
+    ckpt = opened.checkpoint
+    tied = ties_head(model)
+    # Buffers (rotary frequencies, Gemma's embedding scale) are computed, not stored: give them
+    # memory on the device and let the model's own initializer compute them, while the
+    # parameters are still meta (it would overwrite loaded ones).
+    for name, buffer in list(model.named_buffers()):
+        owner, _, leaf = name.rpartition(".")
+        model.get_submodule(owner)._buffers[leaf] = torch.empty_like(buffer, device=device)
+    for owner in {name.rpartition(".")[0] for name, _ in model.named_buffers()}:
+        model._init_weights(model.get_submodule(owner))
+    tensors = {
+        name: ckpt.tensor(name, param.shape).to(device=device, dtype=dtype)
+        for name, param in model.named_parameters()  # a tied head is listed once, as EMBEDDING
+        if layers or not name.startswith("model.layers.")
+    }
+    model.load_state_dict(tensors, strict=False, assign=True)
+    if tied:  # the head still holds the embedding's meta tensor: tie it to the new one
+        model.lm_head.weight = model.model.embed_tokens.weight
+    if opened.generation_config is not None:
+        model.generation_config = opened.generation_config
+    _windows[model] = opened.windows
+    model.requires_grad_(False).eval()
+
+
+def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A torch dtype from itself or its name ("float16", "torch.bfloat16")."""
+    if not isinstance(dtype, str):
+        return dtype
+    found = getattr(torch, dtype.removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype):
+        raise OffloadError(f"dtype {dtype!r} is no torch dtype; try 'float16' or 'bfloat16'")
+    return found
+
+
+def pick_device(name):
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as error:
+        raise SpecExecError(f"--device {name}: {one_line(error)}") from None
+    if device.type == "cpu":
+        return device
+    backend = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu
+    if not (hasattr(backend, "is_available") and backend.is_available()):
+        raise SpecExecError(f"--device {name}: no {device.type} device here; use --device cpu")
+    if (device.index or 0) >= backend.device_count():
+        raise SpecExecError(f"--device {name}: only {backend.device_count()} here")
+    return device
+
+
+def as_device(device: torch.device | str | None) -> torch.device:
+    """A torch device from itself or its name (None: cuda if available, else cpu), one that
+    offload runs on: the cpu or an available cuda device."""
+    try:
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except (RuntimeError, TypeError) as err:
+        raise OffloadError(f"device {device!r}: {one_line(err)}") from None
+    if device.type != "cpu" and not (device.type == "cuda" and torch.cuda.is_available()):
+        raise OffloadError(f"offload runs on cpu or an available cuda device, not {device}")
+    return device
+
+
+def check_dtype_runs(device: torch.device, dtype: torch.dtype) -> None:
+    """Fail now, not mid-generation, if the device cannot run a matmul and softmax in `dtype`."""
+    old_gpu = device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False)
+    if dtype == torch.bfloat16 and old_gpu:  # emulated bfloat16 runs, slowly
+        raise OffloadError(f"{device} has no native bfloat16; pass dtype=torch.float16")
+    try:
+        x = torch.ones(2, 8, dtype=dtype, device=device)  # (2, 8)
+        torch.softmax(x @ x.T, dim=-1)
+    except (RuntimeError, NotImplementedError, TypeError) as err:
+        reason = one_line(err)
+        raise OffloadError(f"{device} cannot run {dtype} ({reason}); pass another dtype") from None
+
+
+#####CHECKW
