@@ -606,6 +606,58 @@ def autoregressive(model, input_ids, *, eos_token_id=None, on_tokens=None, opts=
     return decode_loop(Run(model, None, opts, limit), seq, FixedBudget(0, 0), eos, on_tokens)
 
 
+# ---- a conversation: the caches kept from turn to turn ----
+
+
+class Chat:
+    """`generate` again and again on a growing prompt (a conversation, each turn rendered whole),
+    with both caches and the budget policy (auto's cost model) kept from turn to turn.
+
+    A turn reuses what the caches hold as far as it matches the new prompt token for token (a
+    chat template may render earlier turns anew), drops the rest, and feeds the models only what
+    their caches lack: the answer is exactly `generate`'s on the whole prompt, from empty caches.
+    With draft None it decodes plainly, as `autoregressive` does."""
+
+    def __init__(self, target, draft, opts=None, **options):
+        self.target, self.draft, self.opts = target, draft, as_options(opts, options, None)
+        self.policy = make_policy(self.opts) if draft is not None else FixedBudget(0, 0)
+        self.seq = []  # the tokens the caches were last left holding, but the last
+        self.caches = None  # (target's, draft's); made by the first turn's Run
+
+    @torch.no_grad()
+    def generate(self, input_ids, *, eos_token_id=None, on_tokens=None):
+        """One turn: `input_ids` is the whole conversation so far. Returns (new_tokens, Stats);
+        `stats.reused` counts the prompt tokens the target's cache already held."""
+        opts = as_options(self.opts, {}, on_tokens)
+        seq, limit, eos = preflight(self.target, self.draft, input_ids, eos_token_id)
+        # Keep the longest prefix of what the caches hold (self.seq but its last token) that the
+        # new prompt shares, leaving the prompt's last token out: the first tree's root.
+        held = self.seq[:-1]
+        shared = next((i for i, (a, b) in enumerate(zip(held, seq)) if a != b), len(held))
+        reused = min(shared, len(seq) - 1)
+        run = Run(self.target, self.draft, opts, limit)  # its rng seeded anew: as a fresh run
+        if self.caches is not None:
+            run.target_cache, run.draft_cache = self.caches
+            for cache in self.caches:
+                crop(cache, reused)
+        self.caches = run.target_cache, run.draft_cache
+        new_tokens, stats = decode_loop(run, seq, self.policy, eos, on_tokens)
+        # The caches may hold tokens past a stop (an EOS inside an accepted path): cut them, so
+        # that they hold `seq` but its last token, as after any step.
+        for cache in self.caches:
+            crop(cache, len(seq) - 1)
+        self.seq, stats.reused = seq, reused
+        return new_tokens, stats
+
+
+def crop(cache, n):
+    """Keep at most the first n entries of every layer's keys and values (None: no cache)."""
+    if cache is None or cache.get_seq_length() <= n:
+        return
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
+
+
 # ---- what a run did ----
 
 
@@ -624,6 +676,7 @@ class Stats:
     policy: object = None  # what sized the steps: FixedBudget, or auto's CostModel
     threads: int = 0  # CPU threads of the target's passes
     seed: int | None = None  # sampling's: the run is reproduced with it
+    reused: int | None = None  # a Chat's turn: prompt tokens the target's cache held already
     time_draft: float = 0.0
     time_target: float = 0.0
     time_total: float = 0.0
@@ -677,7 +730,10 @@ class Stats:
                 line += f"; plain decoding (no tree) in {plain}"
             line += f"; {self.draft_passes / self.steps:.1f} draft passes per target pass"
         line += f"; threads {self.threads}" if self.threads else ""
-        return line + (f"; seed {self.seed}" if self.seed is not None else "")
+        line += f"; seed {self.seed}" if self.seed is not None else ""
+        return line + (
+            f"; {count(self.reused, 'token')} reused from the caches" if self.reused else ""
+        )
 
 
 def count(n, one):

@@ -710,3 +710,43 @@ def test_installed_without_the_clone_says_where_the_default_pair_is(tmp_path):
     assert no_pair.returncode == 2 and no_pair.stderr.count("\n") == 1
     assert "the default pair lives in a clone's models/" in no_pair.stderr
     assert no_prompt.returncode == 2 and "pass --prompt" in no_prompt.stderr
+
+
+# ---- --chat: a conversation, the caches kept from turn to turn ----
+
+
+def test_chat_answers_each_turn_from_the_conversation_and_reuses_the_caches(chat_pair):
+    """Two piped turns through a chat template: each answer is the conversation's fresh greedy
+    continuation (the API's oracle is test_specexec's); the second reuses the first's caches,
+    in memory and offloaded. A one-turn chat answers what --prompt answers."""
+    root, _ = chat_pair
+    pair = ["--target", str(root / "target"), "--draft", str(root / "draft")]
+    turns = "def add(a, b):\nand now mul\n"
+    chats = [[*pair, "--chat", "--max-new-tokens", "8"], [*pair, "--chat", "--offload", "ssd",
+             "--offload-dir", str(root / "copies"), "--max-new-tokens", "8"]]  # fmt: skip
+    one_turn = [*pair, "--chat", "--max-new-tokens", "8"]
+    prompt = [*pair, "--prompt", "def add(a, b):", "--max-new-tokens", "8"]
+    results = cli_run_all([(argv, {"input": turns}) for argv in chats])
+    results += cli_run_all([(one_turn, {"input": "def add(a, b):\n"}), (prompt, {})])
+    for result in results:
+        assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr[-2000:]
+    for result in results[:2]:
+        summaries = [line for line in result.stdout.splitlines() if line.startswith("specexec:")]
+        assert len(summaries) == 2, result.stdout
+        assert "reused from the caches" not in summaries[0] and "reused from" in summaries[1]
+        assert "> def add(a, b):" in result.stdout and "> and now mul" in result.stdout
+    said = [[line for line in result.stdout.splitlines() if not line.startswith("specexec:")]
+            for result in results[:2]]  # fmt: skip
+    assert said[0] == said[1]  # the offloaded target answers as the one in memory
+    answer = results[2].stdout.split("> def add(a, b):\n")[1].split("\nspecexec:")[0]
+    assert answer == results[3].stdout.split("--- continuation ---\n")[1].split("\n\nspecexec:")[0]
+
+
+def test_chat_without_a_template_says_how_turns_are_joined(tmp_path):
+    good = save_tiny(tmp_path / "good")
+    result = cli_run("--target", good, "--draft", good, "--chat", "--max-new-tokens", "3",
+                     input="w1 w2\n/exit\nw3\n")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "no chat template; each turn goes on a new line" in result.stdout
+    assert result.stdout.count("specexec:") == 1  # /exit ends it before w3
+    check_errors([(["--target", good, "--draft", good, "--chat", "--compare"], "--chat and")])

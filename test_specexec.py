@@ -1086,3 +1086,77 @@ def tolerance(model):
     length of the row (a tree pass's row is longer), ~1e-7 of the logits."""
     eager = model.config._attn_implementation == "eager"
     return dict(rtol=1e-5, atol=1e-5) if eager else dict(rtol=1e-9, atol=1e-9)
+
+
+# ---- a conversation: the caches kept from turn to turn (specexec.Chat) ----
+
+
+def held_then_shared(before, after):
+    """What a turn can reuse: the tokens the caches hold (all of `before` but its last) that
+    the new prompt `after` starts with, leaving the prompt's last token to feed."""
+    shared = 0
+    while shared < min(len(before) - 1, len(after)) and before[shared] == after[shared]:
+        shared += 1
+    return min(shared, len(after) - 1)
+
+
+def talk(target, draft, turns, **options):
+    """Each turn's answer from one Chat and from a fresh `generate` of the whole conversation
+    (the oracle), with the reuse Chat reports and the one the token lists say. A turn is
+    (tokens to append, whether to re-render the first token of the conversation)."""
+    chat, conversation, results, before = specexec.Chat(target, draft, **options), [], [], []
+    for user, rerender in turns:
+        conversation = conversation + user
+        if rerender:  # a template that renders an earlier turn anew
+            conversation = [(conversation[0] + 1) % 64, *conversation[1:]]
+        answer, stats = chat.generate(conversation, eos_token_id=[])
+        fresh, _ = specexec.generate(target, draft, conversation, eos_token_id=[], **options)
+        results.append((answer, fresh, stats.reused, held_then_shared(before, conversation)))
+        before = conversation + answer
+        conversation = conversation + answer
+    return results
+
+
+TURNS = [([5, 6, 7], False), ([8, 9], False), ([10], False), ([11, 12], True), ([13], False)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("sampled", [False, True])
+def test_each_chat_turn_equals_a_fresh_run_of_the_whole_conversation(family, sampled):
+    """In float64 (no near-ties): greedy, each answer is the fresh greedy one; sampled with a
+    seed, the fresh seeded sample. A re-rendered earlier turn drops what no longer matches."""
+    target, draft = tiny_model(family, 0, init=0.4), tiny_model(family, 1, init=0.4)
+    sampling = dict(temperature=0.8, seed=7) if sampled else {}
+    results = talk(target, draft, TURNS, max_new_tokens=9, budget="auto", **sampling)
+    for turn, (answer, fresh, reused, expected) in enumerate(results):
+        assert answer == fresh, turn
+        assert reused == expected, (turn, reused, expected)
+    assert [r[2] for r in results][:2] == [0, 3 + 9 - 1]  # the first turn: nothing to reuse
+    assert results[3][2] == 0  # its first token changed: nothing matches
+
+
+@pytest.mark.parametrize("mode", ["ram", "ssd"])
+def test_chat_with_an_offloaded_target_equals_fresh_runs(tmp_path, mode):
+    import offload
+    from conftest import save_model, tiny_config
+
+    config = tiny_config("llama", vocab=64, layers=3, max_position_embeddings=128)
+    save_model(tmp_path / "target", config, seed=0)
+    draft = tiny_model("llama", 1, init=0.4, dtype=torch.float32)
+    with offload.from_pretrained(tmp_path / "target", mode=mode, device="cpu") as target:
+        for turn, (answer, fresh, reused, expected) in enumerate(
+            talk(target, draft, TURNS[:3], max_new_tokens=8, budget=8)
+        ):
+            assert answer == fresh and reused == expected, turn
+
+
+def test_a_chat_without_a_draft_decodes_plainly_as_autoregressive():
+    target = tiny_model("llama", 0, init=0.4)
+    chat, conversation = specexec.Chat(target, None, max_new_tokens=6), [3, 4]
+    for user in ([5], [6, 7]):
+        conversation = conversation + user
+        answer, stats = chat.generate(conversation, eos_token_id=[])
+        assert answer == specexec.autoregressive(target, conversation, max_new_tokens=6)[0]
+        assert stats.draft_passes == 0
+        conversation = conversation + answer
+    assert stats.reused == len(conversation) - len(answer) - 2 - 1  # what the turn before left

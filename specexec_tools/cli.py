@@ -14,6 +14,7 @@ Ctrl-C exits with 130, a closed pipe (`| head`) quietly.
 import argparse
 import math
 import os
+import shutil
 import sys
 import time
 from dataclasses import fields, replace
@@ -24,13 +25,13 @@ try:  # torch takes seconds to import: Ctrl-C meanwhile exits as it does later, 
 
     import offload
     import specexec
-    from specexec_tools import models, quantize
-    from specexec_tools.checkpoint import OffloadError, one_line
+    from specexec_tools import chat, models, quantize
+    from specexec_tools.checkpoint import OffloadError
     from specexec_tools.models import SpecExecError
 except KeyboardInterrupt:
     sys.exit(130)
 
-HERE = Path(__file__).resolve().parent.parent  # the clone: models/ holds the default pair
+HERE = models.CLONE  # a clone of the project: models/ holds the default pair
 DIM, RESET = "\033[2m", "\033[0m"
 
 
@@ -52,15 +53,13 @@ class Parser(argparse.ArgumentParser):
 
 
 def finite(text):
-    value = float(text)
-    if not math.isfinite(value):
+    if not math.isfinite(value := float(text)):
         raise argparse.ArgumentTypeError(f"{text} is not a finite number")
     return value
 
 
 def positive(text):
-    value = int(text)
-    if value < 1:
+    if (value := int(text)) < 1:
         raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
     return value
 
@@ -73,75 +72,49 @@ def count_or_auto(text):
 
 
 def parse_args(argv=None):
-    parser = Parser(
-        description="SpecExec speculative decoding. With no arguments, runs the project's own "
-        "target/draft pair on a held-out code prompt."
-    )
+    # fmt: off
+    parser = Parser(description="SpecExec speculative decoding. With no arguments, runs the "
+                    "project's own target/draft pair on a held-out code prompt.")
     add = parser.add_argument_group("model and prompt").add_argument
     add("--target", metavar="PATH_OR_ID", help="hub id or folder (default: models/target)")
-    add(
-        "--draft",
-        metavar="PATH_OR_ID",
-        help="hub id or folder (default: models/draft); or int8 / int4: the target's own "
-        "quantized copy, every layer on the device (it holds the dequantized weights too, so it "
-        "saves no memory)",
-    )
+    add("--draft", metavar="PATH_OR_ID", help="hub id or folder (default: models/draft); or "
+        "int8 / int4: the target's own quantized copy, every layer on the device (it holds the "
+        "dequantized weights too, so it saves no memory)")
     add("--prompt", help="prompt text (default: a held-out prompt of the pair)")
     add("--prompt-index", type=int, default=16, metavar="N", help="which of models/prompts.json")
-    add(
-        "--chat-template",
-        choices=("auto", "on", "off"),
-        default="auto",
-        help="wrap the prompt in the tokenizer's chat template (auto: when it has one)",
-    )
+    add("--chat-template", choices=("auto", "on", "off"), default="auto",
+        help="wrap the prompt in the tokenizer's chat template (auto: when it has one)")
     add = parser.add_argument_group("device").add_argument
     add("--device", metavar="NAME", help="cpu, cuda, cuda:1... (default: cuda if available)")
-    add(
-        "--dtype",
-        choices=("auto", "float32", "float16", "bfloat16", "float64"),
-        default="auto",
+    add("--dtype", choices=("auto", "float32", "float16", "bfloat16", "float64"), default="auto",
         help="auto: float32 on cpu (half precision runs about 6x slower there; with --offload "
-        "ssd a half checkpoint is then read from a float32 copy), else the checkpoint's own",
-    )
+        "ssd a half checkpoint is then read from a float32 copy), else the checkpoint's own")
     add("--threads", type=positive, metavar="N", help="CPU threads (default: torch's)")
     add("--offload", choices=("ram", "ssd"), help="stream the target's layers from RAM or disk")
-    add(
-        "--offload-dir",
-        type=Path,
-        default=Path("~/.cache/specexec/offload"),
-        metavar="DIR",
+    add("--offload-dir", type=Path, default=Path("~/.cache/specexec/offload"), metavar="DIR",
         help="where ssd writes a per-layer copy when the checkpoint cannot be read in place "
-        "(another --dtype than the checkpoint's); default: %(default)s",
-    )
+        "(another --dtype than the checkpoint's); default: %(default)s")
     add("--offload-clean", action="store_true", help="delete that copy after the run")
-    add(
-        "--quantize",
-        choices=quantize.KINDS,
-        help="with --offload: store and move the target's linear weights in 8 or 4 bits, "
-        "dequantized on the device (ssd writes a quantized copy into --offload-dir once)",
-    )
-    add(
-        "--device-memory",
-        type=finite,
-        metavar="GB",
-        help="with --offload: device memory the target may hold; after its embeddings, head, KV "
-        "cache (the prompt, the new tokens and the largest tree: 1024 nodes with budget auto) and "
-        "ring, as many layers as fit stay resident and are never streamed",
-    )
+    add("--quantize", choices=quantize.KINDS, help="with --offload: store and move the target's "
+        "linear weights in 8 or 4 bits, dequantized on the device (ssd writes a quantized copy "
+        "into --offload-dir once)")
+    add("--device-memory", type=finite, metavar="GB", help="with --offload: device memory the "
+        "target may hold; after its embeddings, head, KV cache (the prompt, the new tokens and "
+        "the largest tree: 1024 nodes with budget auto) and ring, as many layers as fit stay "
+        "resident and are never streamed")
     add = parser.add_argument_group("generation (defaults: specexec.Options)").add_argument
-    default = " (default: %(default)s)"
     for f in fields(specexec.Options):  # one source of defaults and help for the API and the CLI
-        real, auto = f.type in (float, float | None), f.type == int | str
-        add(
-            "--" + f.name.replace("_", "-"),
+        real, auto, text = f.type in (float, float | None), f.type == int | str, f.metadata["help"]
+        add("--" + f.name.replace("_", "-"), default=f.default,
             type=finite if real else count_or_auto if auto else int,
-            default=f.default,
             metavar="X" if real else "N|auto" if auto else "N",
-            help=f.metadata["help"] + ("" if "default" in f.metadata["help"] else default),
-        )
+            help=text + ("" if "default" in text else " (default: %(default)s)"))
     add = parser.add_argument_group("output").add_argument
+    add("--chat", action="store_true", help="a conversation: one turn per line of input (a "
+        "prompt on a terminal; EOF or /exit ends it); the caches are kept from turn to turn")
     add("--compare", action="store_true", help="also time plain decoding (both warmed up first)")
     add("--verbose", action="store_true", help="show transformers' loading logs")
+    # fmt: on
     return parser.parse_args(argv)
 
 
@@ -162,24 +135,33 @@ def run(args):
 
     # Everything is checked before any weight is read.
     self_draft = args.draft in quantize.KINDS  # the target's own copy: its tokenizer too
-    names = model_name(args.target, "--target"), self_draft or model_name(args.draft, "--draft")
-    prompt = args.prompt if args.prompt is not None else default_prompt(args.prompt_index)
-    target = models.open_model(names[0])
-    draft = target if self_draft else models.open_model(names[1])
+    target = models.model_name(args.target, "--target")
+    draft = self_draft or models.model_name(args.draft, "--draft")
+    prompt = args.prompt
+    if prompt is None and not args.chat:
+        prompt = models.default_prompt(args.prompt_index)
+    target = models.open_model(target)
+    draft = target if self_draft else models.open_model(draft)
     tokenizers = [models.load_tokenizer(target.folder)]
     tokenizers.append(tokenizers[0] if self_draft else models.load_tokenizer(draft.folder))
-    input_ids = models.tokenize(tokenizers[0], prompt, args.chat_template, target.folder)
+    input_ids = prompt and models.tokenize(tokenizers[0], prompt, args.chat_template, target.folder)
     seq, _, eos = models.preflight(target, draft, input_ids, None, tokenizers)
 
     dtype = torch.float32 if args.dtype == "auto" and device.type == "cpu" else None
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else dtype  # None: the checkpoint's
     largest = 1024 if opts.budget == "auto" else opts.budget  # cost_model.CostModel.BUDGETS[-1]
-    context = len(seq) + opts.max_new_tokens + largest + 1  # the KV cache: prefix and tree
+    context = None if args.chat else len(seq) + opts.max_new_tokens + largest + 1  # the KV cache
     loaded = []
     try:
         for role, opened in ("target", target), ("draft", draft):
             loaded.append(load(opened, role, args, device, dtype, context))
-        report(*loaded, tokenizers[0], seq, list(eos), args, opts, device)
+        if args.chat:
+            conversation = specexec.Chat(*loaded, opts)
+            dim = (DIM, RESET) if sys.stdout.isatty() else ("", "")
+            chat.talk(conversation, tokenizers[0], args.chat_template, target.folder, list(eos),
+                      Streamer, dim, first=prompt)  # fmt: skip
+        else:
+            report(*loaded, tokenizers[0], seq, list(eos), args, opts, device)
     finally:
         for model in loaded:
             if isinstance(model, offload.OffloadedCausalLM):
@@ -236,7 +218,7 @@ def report(target, draft, tokenizer, seq, eos, args, opts, device):
     base_tokens, base = specexec.autoregressive(
         target, seq, eos_token_id=eos, on_tokens=progress, opts=opts
     )
-    progress.done()
+    progress.show("\r\033[K")  # an EOS may end it early: the line, erased
     print(f"{dim}plain decoding: {base.summary()}{reset}")
     if base.new_tokens and stats.new_tokens:
         speedup = stats.tokens_per_second / base.tokens_per_second
@@ -261,18 +243,19 @@ def report(target, draft, tokenizer, seq, eos, args, opts, device):
 def check_flags(args, opts):
     """Flags that only make sense together, and output that cannot take a model's text."""
     cores = os.cpu_count() or 1
-    pairs = [
+    # fmt: off
+    for wrong, message in [
         (args.offload_clean and args.offload != "ssd",
          "--offload-clean goes with --offload ssd (only ssd writes a copy)"),
         (args.quantize and not args.offload,
          "--quantize goes with --offload (it quantizes the streamed layers)"),
         (args.device_memory is not None and not args.offload,
          "--device-memory goes with --offload (it keeps streamed layers)"),
+        (args.chat and args.compare, "--chat and --compare: compare a one-prompt run instead"),
         (args.compare and opts.max_new_tokens == 0,
          "--compare times decoding: give it --max-new-tokens of at least 1"),
         ((args.threads or 0) > cores, f"--threads {args.threads}: this machine has {cores} cores"),
-    ]  # fmt: skip
-    for wrong, message in pairs:
+    ]:  # fmt: on
         if wrong:
             raise SpecExecError(message)
     try:  # any character a model may write (ascii:replace, say, takes them all)
@@ -282,40 +265,6 @@ def check_flags(args, opts):
             f"standard output's encoding {sys.stdout.encoding} cannot write all of a model's "
             "text: set PYTHONIOENCODING=utf-8"
         ) from None
-
-
-def model_name(name, flag):
-    """--target or --draft: a folder or hub id; None: the project's own (models/target or
-    models/draft); '' is no name, not the default."""
-    if name is None:
-        if not (HERE / "models" / "target").is_dir():
-            raise SpecExecError(
-                f"the default pair lives in a clone's models/, not beside {HERE}: pass --target "
-                "and --draft (a hub id or a folder), or install the clone with `pip install -e .`"
-            )
-        return str(HERE / "models" / flag.removeprefix("--"))
-    if not name.strip():
-        raise SpecExecError(f"{flag} is empty: pass a model folder or a hub id")
-    return name
-
-
-def default_prompt(index):
-    import json
-
-    path = HERE / "models" / "prompts.json"
-    if not path.is_file():  # installed with `pip install .`: models/ stays in the clone
-        raise SpecExecError(f"no default prompts at {path}: pass --prompt (or run from a clone)")
-    try:
-        prompts = json.loads(path.read_text())
-        count = len(prompts)
-        prompt = prompts[index]["prompt"] if 0 <= index < count else None
-    except (OSError, ValueError, TypeError, KeyError) as error:
-        raise SpecExecError(f"{path} is damaged ({one_line(error)}); pass --prompt") from None
-    if prompt is None:
-        raise SpecExecError(f"--prompt-index {index}: models/prompts.json has 0..{count - 1}")
-    if not isinstance(prompt, str):
-        raise SpecExecError(f"{path} is damaged (prompt {index} is no text); pass --prompt")
-    return prompt
 
 
 # ---- output ----
@@ -337,27 +286,24 @@ class Streamer:
 
 
 class Progress:
-    """On a terminal (stderr), a line that says how far a silent run is: tokens so far, tokens/s
-    and time left at that rate; nothing in a pipe or a file."""
+    """On a terminal (stderr), how far a silent run is: tokens so far, tokens/s and time left
+    at that rate (at most: an EOS may come first); nothing in a pipe or a file."""
 
     def __init__(self, total, what):
-        self.total, self.what, self.done_tokens = total, what, 0
-        self.start, self.shown = time.perf_counter(), sys.stderr is not None and sys.stderr.isatty()
+        self.total, self.what, self.done, self.start = total, what, 0, time.perf_counter()
 
     def __call__(self, tokens):
-        self.done_tokens += len(tokens)
-        if self.shown:
-            rate = self.done_tokens / max(1e-9, time.perf_counter() - self.start)
-            left = (self.total - self.done_tokens) / rate
-            print(
-                f"\r{self.what}: {self.done_tokens}/{self.total} tokens, {rate:.3g} tokens/s, "
-                f"at most {left:.0f}s left ",
-                end="", file=sys.stderr, flush=True,
-            )  # fmt: skip
+        self.done += len(tokens)
+        rate = self.done / max(1e-9, time.perf_counter() - self.start)
+        left = (self.total - self.done) / rate
+        line = (
+            f"{self.what}: {self.done}/{self.total} tokens, {rate:.3g} tokens/s, {left:.0f}s left"
+        )
+        self.show(f"\r{line} " if self.done < self.total else "\r\033[K")  # the last: erased
 
-    def done(self):
-        if self.shown:
-            print("\r\033[K", end="", file=sys.stderr, flush=True)  # the line, erased
+    def show(self, text):
+        if sys.stderr is not None and sys.stderr.isatty():
+            print(text, end="", file=sys.stderr, flush=True)
 
 
 def clean_offload(target, remove):
@@ -365,24 +311,16 @@ def clean_offload(target, remove):
     folder = getattr(target, "converted_folder", None)  # None: read the checkpoint in place
     if folder is None or not folder.exists():
         return
-    if remove:
-        import shutil
-
-        try:
-            shutil.rmtree(folder)
-        except OSError as error:
-            raise SpecExecError(
-                f"--offload-clean: cannot remove the converted copy {folder} "
-                f"({error.strerror or error}: {error.filename})"
-            ) from None
-        print(f"offload: removed the converted copy {folder}", file=sys.stderr)
-        return
-    size = sum(f.stat().st_size for f in folder.iterdir()) / 1e9
-    print(
-        f"offload: a converted copy ({size:.2f} GB) stays in {folder} for the next run; "
-        "--offload-clean removes it",
-        file=sys.stderr,
-    )
+    if not remove:
+        size = sum(f.stat().st_size for f in folder.iterdir()) / 1e9
+        say = f"a converted copy ({size:.2f} GB) stays in {folder} for the next run; "
+        return print(f"offload: {say}--offload-clean removes it", file=sys.stderr)
+    try:
+        shutil.rmtree(folder)
+    except OSError as error:
+        why = f"{error.strerror or error}: {error.filename}"
+        raise SpecExecError(f"--offload-clean: cannot remove the converted copy {folder} ({why})")
+    print(f"offload: removed the converted copy {folder}", file=sys.stderr)
 
 
 # ---- entry point ----

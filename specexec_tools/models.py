@@ -46,6 +46,42 @@ CACHE = (
 
 # ---- finding and opening a model folder ----
 
+CLONE = Path(__file__).resolve().parent.parent  # a clone: models/ holds the project's own pair
+
+
+def model_name(name, flag):
+    """--target or --draft: a folder or hub id; None: the project's own (models/target or
+    models/draft); '' is no name, not the default."""
+    if name is None:
+        if not (CLONE / "models" / "target").is_dir():
+            raise SpecExecError(
+                f"the default pair lives in a clone's models/, not beside {CLONE}: pass --target "
+                "and --draft (a hub id or a folder), or install the clone with `pip install -e .`"
+            )
+        return str(CLONE / "models" / flag.removeprefix("--"))
+    if not name.strip():
+        raise SpecExecError(f"{flag} is empty: pass a model folder or a hub id")
+    return name
+
+
+def default_prompt(index):
+    import json
+
+    path = CLONE / "models" / "prompts.json"
+    if not path.is_file():  # installed with `pip install .`: models/ stays in the clone
+        raise SpecExecError(f"no default prompts at {path}: pass --prompt (or run from a clone)")
+    try:
+        prompts = json.loads(path.read_text())
+        count = len(prompts)
+        prompt = prompts[index]["prompt"] if 0 <= index < count else None
+    except (OSError, ValueError, TypeError, KeyError) as error:
+        raise SpecExecError(f"{path} is damaged ({one_line(error)}); pass --prompt") from None
+    if prompt is None:
+        raise SpecExecError(f"--prompt-index {index}: models/prompts.json has 0..{count - 1}")
+    if not isinstance(prompt, str):
+        raise SpecExecError(f"{path} is damaged (prompt {index} is no text); pass --prompt")
+    return prompt
+
 
 def find_folder(name: str) -> Path:
     """A local model folder: the folder given, or a hub id's snapshot (cached, else downloaded:
@@ -266,6 +302,7 @@ def listen_to_layers(config):
 
 def preflight(target, draft, input_ids, eos_token_id=None, tokenizers=None):
     """Check a run's inputs; return (prompt as a list of ints, positions usable, EOS ids).
+    input_ids None: the pair alone (a chat, before its first turn).
 
     target, draft: models or Opened folders (anything with `.config`); draft None: plain
     decoding. tokenizers: (target's, draft's), given by the CLI: ids must name the same strings
@@ -281,7 +318,7 @@ def preflight(target, draft, input_ids, eos_token_id=None, tokenizers=None):
     if draft is not None:
         check_draft_vocab(target.config, draft.config)
     limit = min(context_length(model.config) for model in models.values())
-    seq = prompt_tokens(input_ids, limit, **models)
+    seq = None if input_ids is None else prompt_tokens(input_ids, limit, **models)
     tokenizer = tokenizers[0] if tokenizers else None
     return seq, limit, stop_tokens(eos_token_id, target, tokenizer)
 
@@ -385,21 +422,27 @@ def load_tokenizer(folder):
 
 
 def tokenize(tokenizer, prompt, chat_template, folder):
-    """The prompt's ids, in the tokenizer's chat template where it has one (chat_template "auto"),
-    or as it is told ("on", "off")."""
-    try:  # bytes that are not UTF-8 reach sys.argv as lone surrogates, which no tokenizer takes
-        prompt.encode()
-    except UnicodeEncodeError as error:
-        byte = ord(prompt[error.start]) - 0xDC00  # how Python keeps an undecodable byte
-        raise SpecExecError(
-            f"--prompt is not UTF-8 text (byte {byte:#04x} at character {error.start})"
-        ) from None
+    """The ids of a prompt (text) or a conversation (a list of {"role", "content"} messages), in
+    the tokenizer's chat template where it has one (chat_template "auto"), or as it is told
+    ("on", "off"). Without a template a conversation is its texts in a row, each user turn on a
+    new line: a base model continues the text."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    for message in messages:
+        try:  # bytes that are not UTF-8 reach sys.argv as lone surrogates: no tokenizer takes them
+            message["content"].encode()
+        except UnicodeEncodeError as error:
+            byte = ord(message["content"][error.start]) - 0xDC00  # Python's undecodable byte
+            where = "--prompt" if isinstance(prompt, str) else "the turn"
+            raise SpecExecError(
+                f"{where} is not UTF-8 text (byte {byte:#04x} at character {error.start})"
+            ) from None
     has_template = tokenizer.chat_template is not None
     if chat_template == "on" and not has_template:
         raise SpecExecError(f"{folder}: its tokenizer has no chat template")
     if chat_template == "off" or not has_template:
-        return tokenizer(prompt)["input_ids"]
-    messages = [{"role": "user", "content": prompt}]
+        text = "".join(("\n" if m["role"] == "user" and i else "") + m["content"]
+                       for i, m in enumerate(messages))  # fmt: skip
+        return tokenizer(text)["input_ids"]
     try:  # transformers 5 returns a BatchEncoding, which is no dict: ask for it by name
         encoded = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, tokenize=True, return_dict=True
