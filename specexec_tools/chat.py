@@ -11,14 +11,14 @@ import sys
 from specexec_tools import models
 
 
-def talk(chat, tokenizer, chat_template, folder, eos, stream, dim_reset, first=None):
-    """Read turns and answer each; `stream(tokenizer)` makes the printer of one answer,
-    `dim_reset` the terminal's dim and reset codes ("" in a pipe), `first` a turn given as
-    --prompt. Returns the number of turns answered."""
-    dim, reset = dim_reset
+def talk(chat, tokenizer, chat_template, folder, eos, stream, dim, first=None):
+    """Read turns and answer each; `stream(tokenizer)` makes the printer of one answer, `dim`
+    dims the figures on a terminal, `first` is a turn given as --prompt. Returns the number of
+    turns answered."""
     if tokenizer.chat_template is None or chat_template == "off":
-        print(f"{dim}chat: {folder}: {'told' if chat_template == 'off' else 'no'} chat "
-              f"template; each turn goes on a new line after the text so far{reset}")  # fmt: skip
+        how = "told to use no" if chat_template == "off" else "no"
+        print(dim(f"chat: {folder}: {how} chat template; each turn goes on a new line after "
+                  "the text so far"))  # fmt: skip
     messages, answered = [], 0
     for turn in turns(first):
         messages.append({"role": "user", "content": turn})
@@ -27,7 +27,7 @@ def talk(chat, tokenizer, chat_template, folder, eos, stream, dim_reset, first=N
         tokens, stats = chat.generate(input_ids, eos_token_id=eos, on_tokens=printer)
         answer = tokenizer.decode(tokens, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": answer})
-        print(f"\n{dim}specexec: {stats.summary()}{reset}", flush=True)
+        print("\n" + dim(f"specexec: {stats.summary()}"), flush=True)
         answered += 1
     return answered
 

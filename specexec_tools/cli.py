@@ -16,23 +16,36 @@ import math
 import os
 import shutil
 import sys
-import time
 from dataclasses import fields, replace
 from pathlib import Path
 
 try:  # torch takes seconds to import: Ctrl-C meanwhile exits as it does later, quietly
     import torch
+    from tqdm import tqdm
 
     import offload
     import specexec
     from specexec_tools import chat, models, quantize
-    from specexec_tools.checkpoint import OffloadError
+    from specexec_tools.checkpoint import OffloadError, check_removable
     from specexec_tools.models import SpecExecError
 except KeyboardInterrupt:
     sys.exit(130)
 
 HERE = models.CLONE  # a clone of the project: models/ holds the default pair
-DIM, RESET = "\033[2m", "\033[0m"
+RESET = "\033[0m"
+
+
+NOT_THE_REGIME = (
+    "(not SpecExec's regime: with the target {where}, a pass over a tree costs more than a "
+    "one-token pass. It pays where the weights stream over a slow link: `python -m "
+    "scripts.bench_disk --grow-to big-target`, then `python specexec.py --target big-target "
+    "--offload ssd --compare`)"
+)
+
+
+def dim(text):
+    """Text a terminal shows dim (a run's figures, beside the model's words); as it is in a pipe."""
+    return f"\033[2m{text}{RESET}" if sys.stdout.isatty() else text
 
 
 # ---- flags: generation options from specexec.Options, the rest here ----
@@ -149,6 +162,9 @@ def run(args):
 
     dtype = torch.float32 if args.dtype == "auto" and device.type == "cpu" else None
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else dtype  # None: the checkpoint's
+    if args.offload_clean:  # a copy it could not remove: refused now, not after the run
+        own = target.checkpoint
+        check_removable(own, dtype or own.dtype, args.quantize, args.offload_dir)
     largest = 1024 if opts.budget == "auto" else opts.budget  # cost_model.CostModel.BUDGETS[-1]
     context = None if args.chat else len(seq) + opts.max_new_tokens + largest + 1  # the KV cache
     loaded = []
@@ -157,7 +173,6 @@ def run(args):
             loaded.append(load(opened, role, args, device, dtype, context))
         if args.chat:
             conversation = specexec.Chat(*loaded, opts)
-            dim = (DIM, RESET) if sys.stdout.isatty() else ("", "")
             chat.talk(conversation, tokenizers[0], args.chat_template, target.folder, list(eos),
                       Streamer, dim, first=prompt)  # fmt: skip
         else:
@@ -193,33 +208,35 @@ def report(target, draft, tokenizer, seq, eos, args, opts, device):
             target, draft, seq, eos_token_id=eos, opts=replace(opts, max_new_tokens=2)
         )
         specexec.autoregressive(target, seq, eos_token_id=eos, opts=replace(opts, max_new_tokens=2))
-    tty = sys.stdout.isatty()
-    dim, reset = (DIM, RESET) if tty else ("", "")
     # On a terminal the prompt is dim; in a file or pipe a line marks where the output starts.
-    print(f"{dim}{tokenizer.decode(seq)}{reset}", end="" if tty else "\n--- continuation ---\n")
-    sys.stdout.flush()
+    tty = sys.stdout.isatty()
+    print(dim(tokenizer.decode(seq)), end="" if tty else "\n--- continuation ---\n", flush=True)
     stream = Streamer(tokenizer)
     tokens, stats = specexec.generate(
         target, draft, seq, eos_token_id=eos, on_tokens=stream, opts=opts
     )
-    print(f"\n\n{dim}specexec: {stats.summary()}{reset}")
+    print("\n\n" + dim(f"specexec: {stats.summary()}"))
     if args.offload:
         last = target.stats  # the last target pass
         rate = f" ({last.gb_per_s:.2f} GB/s)" if last.bytes_moved > 1e8 else ""
         print(
-            f"{dim}offload ({args.offload}): {last.resident_layers} of "
-            f"{target.config.num_hidden_layers} layers resident; the last target pass moved "
-            f"{last.bytes_moved / 1e6:,.1f} MB in {last.pass_s:.3f}s{rate}, {last.wait_s:.3f}s of "
-            f"it waiting for weights{reset}"
+            dim(
+                f"offload ({args.offload}): {last.resident_layers} of "
+                f"{target.config.num_hidden_layers} layers resident; the last target pass moved "
+                f"{last.bytes_moved / 1e6:,.1f} MB in {last.pass_s:.3f}s{rate}, {last.wait_s:.3f}s of "
+                f"it waiting for weights"
+            )
         )
     if not args.compare:
         return
-    progress = Progress(opts.max_new_tokens, "plain decoding")
-    base_tokens, base = specexec.autoregressive(
-        target, seq, eos_token_id=eos, on_tokens=progress, opts=opts
-    )
-    progress.show("\r\033[K")  # an EOS may end it early: the line, erased
-    print(f"{dim}plain decoding: {base.summary()}{reset}")
+    # plain decoding can take minutes: on a terminal, a line says how far it is (nothing in a pipe)
+    quiet = sys.stderr is None or not sys.stderr.isatty()
+    with tqdm(desc="plain decoding", total=opts.max_new_tokens, unit="token", disable=quiet,
+              leave=False) as bar:  # fmt: skip
+        base_tokens, base = specexec.autoregressive(
+            target, seq, eos_token_id=eos, on_tokens=lambda new: bar.update(len(new)), opts=opts
+        )
+    print(dim(f"plain decoding: {base.summary()}"))
     if base.new_tokens and stats.new_tokens:
         speedup = stats.tokens_per_second / base.tokens_per_second
         print(
@@ -228,12 +245,7 @@ def report(target, draft, tokenizer, seq, eos, args, opts, device):
         )
         if speedup < 1 and device.type == "cpu" and args.offload != "ssd":
             where = "in memory" if not args.offload else "in RAM (on a CPU, a memory copy)"
-            print(
-                f"{dim}(not SpecExec's regime: with the target {where}, a pass over a tree costs "
-                f"more than a one-token pass. It pays where the weights stream over a slow link: "
-                f"`python -m scripts.bench_disk --grow-to big-target`, then `python specexec.py "
-                f"--target big-target --offload ssd --compare`){reset}"
-            )
+            print(dim(NOT_THE_REGIME.format(where=where)))
     print("identical output" if base_tokens == tokens else "outputs differ")
 
 
@@ -283,27 +295,6 @@ class Streamer:
             return
         print(text[self.printed :], end="", flush=True)
         self.printed = len(text)
-
-
-class Progress:
-    """On a terminal (stderr), how far a silent run is: tokens so far, tokens/s and time left
-    at that rate (at most: an EOS may come first); nothing in a pipe or a file."""
-
-    def __init__(self, total, what):
-        self.total, self.what, self.done, self.start = total, what, 0, time.perf_counter()
-
-    def __call__(self, tokens):
-        self.done += len(tokens)
-        rate = self.done / max(1e-9, time.perf_counter() - self.start)
-        left = (self.total - self.done) / rate
-        line = (
-            f"{self.what}: {self.done}/{self.total} tokens, {rate:.3g} tokens/s, {left:.0f}s left"
-        )
-        self.show(f"\r{line} " if self.done < self.total else "\r\033[K")  # the last: erased
-
-    def show(self, text):
-        if sys.stderr is not None and sys.stderr.isatty():
-            print(text, end="", file=sys.stderr, flush=True)
 
 
 def clean_offload(target, remove):
