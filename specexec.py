@@ -473,10 +473,10 @@ class Step:
 
     @property
     def tree_depth(self):
-        """How deep the verified tree went (it is never deeper than its budget)."""
-        return (
-            max((self.tree.depth[node] for node in self.tree.best()), default=0) if self.tree else 0
-        )
+        """How deep the verified tree went (never deeper than its budget)."""
+        if self.tree is None:
+            return 0
+        return max((self.tree.depth[node] for node in self.tree.best()), default=0)
 
 
 def speculative_step(run, seq, budget, max_depth):

@@ -21,9 +21,9 @@ target); a float16 scale per 64 weights costs 0.25 bit each, 4.25 bits a weight 
 Scales are stored in the compute dtype, so the dequantized weight is q * scale rounded once.
 
 Pure arithmetic, importing no other module of the project: a weight that cannot be quantized is
-a ValueError, which the offloader's check of a checkpoint (offload_files) turns into its one-line
-error. offload.py's `Dequantizing` storage runs `dequantize_layer` as each layer lands, and the
-CLI's self-draft (`--draft int8|int4`, cli.self_draft) is the target's own quantized copy.
+a ValueError, which checkpoint.Checkpoint.check_layers turns into its one-line error.
+offload.py's `Dequantizing` storage runs `dequantize_layer` as each layer lands, and the
+self-draft (`--draft int8|int4`, offload.self_draft) is the target's own quantized copy.
 """
 
 import torch
