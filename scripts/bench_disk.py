@@ -1,8 +1,10 @@
-"""SpecExec where it pays: a big target streamed from disk, against plain decoding of the same.
+"""SpecExec where it pays: a big target streamed from disk, against what a user would run instead.
 
-    python -m scripts.bench_disk                       # grow, measure, plot (~15 min on 2 cores)
+    python -m scripts.bench_disk                       # grow, measure, plot (~25 min on 2 cores)
     python -m scripts.bench_disk --grow-to big-target  # only write the grown target (a minute)
-    python specexec.py --target big-target --offload ssd --compare   # then the CLI shows it too
+    python -m scripts.bench_disk --folder big-target   # measure it (grown once, kept)
+    python -m scripts.bench_disk --target SmolLM2-135M-Instruct --layers 0 --draft-layers 8 \\
+        --budgets 4,16,64,auto --draft-threads 0   # a weak real pair: a model, its first layers
 
 The default target is 12 MB: streaming it costs nothing, so no run of it is in SpecExec's
 regime. This script grows it into a model whose weights are big enough that reading them from
@@ -14,33 +16,37 @@ disk dominates a forward pass, and which still says what the trained target says
   compute in full and add exactly zero to the residual stream.
 
 So every byte is real (read from disk each pass, multiplied on the CPU), the draft agrees with
-it as it agrees with the trained target (the same text, up to float rounding in the wider
-sums), and the grown model is its own model: exactness is always checked against its own
-plain decoding. The run measures, in one process and on the same prompts: the offloader's own
-reads with nothing computing, plain decoding of the grown target offloaded from disk
-(`--offload ssd`, O_DIRECT reads, no page cache), SpecExec with the default draft at each
-budget, and a projection from the parts of this same run (per-layer read and compute seconds
-at each tree size, the draft's seconds per step), so the projection is checked by the
-measurement beside it.
+it as it agrees with the trained target, and the grown model is its own model: exactness is
+always checked against its own plain decoding. `--layers 0` streams the target as it is, and
+`--draft-layers N` drafts with its own first N layers (a truncated copy, in memory).
+
+Rows, in one process, each on every prompt before the next prompt, after one warm-up each:
+plain decoding of the target offloaded by this project (`--offload ssd`: O_DIRECT reads, no
+page cache); its peers, what a Hugging Face user would pick: accelerate's disk offload of the
+same checkpoint (`device_map` puts every decoder layer on "disk"; the safetensors files are read
+in place as each layer runs), with plain greedy `generate` and with assisted generation by the
+same draft. A forward pre-hook on that model drops the checkpoint's files from the page cache
+(posix_fadvise DONTNEED, after they were synced) before every pass, so that each pass reads the
+disk as ours does; SpecExec with the draft at each budget. Every row is checked token for token
+against plain decoding. The offloader's own reads with nothing computing, before and after the
+rows, give the disk's speed.
 """
 
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
-from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from scripts.common import command_line, machine
+import offload
+import specexec
+from scripts import common
 from specexec import option
 from specexec_tools import models
-
-HERE = Path(__file__).resolve().parents[1]  # the repository root
 
 
 # Fields in specexec.Options' form, option(default, help): other options, alike in shape only.
@@ -48,8 +54,11 @@ HERE = Path(__file__).resolve().parents[1]  # the repository root
 class DiskBenchConfig:
     """The run's defaults, written once; the command line reads them (`--help`)."""
 
-    target: str = option(str(HERE / "models" / "target"), "the trained target to grow")
-    draft: str = option(str(HERE / "models" / "draft"), "the draft model folder")
+    target: str = option(
+        str(common.HERE / "models" / "target"), "the target (grown unless --layers 0)"
+    )
+    draft: str = option(str(common.HERE / "models" / "draft"), "the draft model folder")
+    draft_layers: int = option(0, "N > 0: the draft is the target's own first N layers instead")
     layers: int = option(20, "decoder layers of the grown target (the trained ones first)")
     intermediate: int = option(32768, "its MLP width: about 0.1 GB per layer in float32")
     grow_to: str | None = option(None, "write the grown target here and exit")
@@ -57,7 +66,9 @@ class DiskBenchConfig:
     prompts: int = option(3, "held-out prompts")
     tokens: int = option(48, "new tokens per prompt")
     budgets: str = option("1,4,8,16,32,64,128,256,auto", "SpecExec budgets, comma-separated")
-    plot: str = option(str(HERE / "figures" / "bench_disk.png"), "where the PNG goes")
+    draft_threads: int = option(specexec.Options.draft_threads, "threads of the draft's passes")
+    skip_peers: bool = option(False, "no accelerate rows")
+    plot: str = option(str(common.HERE / "figures" / "bench_disk.png"), "where the PNG goes")
 
 
 # ---- the grown target: real bytes, the trained target's text ----
@@ -95,37 +106,32 @@ def grow_target(source, dest, n_layers, intermediate, seed=0):
     def random(*shape):
         return torch.randn(*shape, generator=generator) * 0.02
 
-    weight_map = {}
-    outer = {n: t for n, t in trained.items() if not n.startswith("model.layers.")}
-    files = [("model-outer.safetensors", outer)]
+    def layer(i):  # the trained layer i (or layer 0), its names without "model.layers.{i}."
+        prefix = f"model.layers.{i if i < old_layers else 0}."
+        return {n[len(prefix) :]: t for n, t in trained.items() if n.startswith(prefix)}
+
+    weight_map, extra = {}, intermediate - old_width
+    files = [("model-outer.safetensors", {n: t for n, t in trained.items() if "layers." not in n})]
     for i in range(n_layers):
-        prefix = f"model.layers.{i}."
-        if i < old_layers:  # a trained layer, its MLP widened by units that add zero
-            layer = {n[len(prefix) :]: t for n, t in trained.items() if n.startswith(prefix)}
-            extra = intermediate - old_width
-            layer["mlp.gate_proj.weight"] = torch.cat([layer["mlp.gate_proj.weight"],
-                                                       random(extra, hidden)])  # fmt: skip
-            layer["mlp.up_proj.weight"] = torch.cat([layer["mlp.up_proj.weight"],
-                                                     random(extra, hidden)])  # fmt: skip
-            layer["mlp.down_proj.weight"] = torch.cat(
-                [layer["mlp.down_proj.weight"], torch.zeros(hidden, extra)], dim=1
-            )  # (hidden, intermediate)
-        else:  # a new layer: computes in full, its outputs multiplied by zero
-            template = {
-                n[len("model.layers.0.") :]: t
-                for n, t in trained.items()
-                if n.startswith("model.layers.0.")
-            }
-            layer = {n: random(*t.shape) for n, t in template.items()}
-            layer["input_layernorm.weight"] = torch.ones(hidden)
-            layer["post_attention_layernorm.weight"] = torch.ones(hidden)
-            layer["self_attn.o_proj.weight"] = torch.zeros_like(template["self_attn.o_proj.weight"])
-            layer["mlp.gate_proj.weight"] = random(intermediate, hidden)
-            layer["mlp.up_proj.weight"] = random(intermediate, hidden)
-            layer["mlp.down_proj.weight"] = torch.zeros(hidden, intermediate)
-        files.append(
-            (f"model-layer-{i:03d}.safetensors", {prefix + n: t for n, t in layer.items()})
-        )
+        tensors = layer(i)
+        if i >= old_layers:  # a new layer: random, computes in full, its outputs times zero
+            tensors = {n: random(*t.shape) for n, t in tensors.items()}
+            tensors |= {n: torch.ones(hidden) for n in tensors if n.endswith("norm.weight")}
+            tensors["self_attn.o_proj.weight"] *= 0
+            extra = intermediate
+        # the MLP widened by `extra` units whose output weights are zero (a new layer: all)
+        mlp = {
+            n: tensors.pop(f"mlp.{n}_proj.weight")[: intermediate - extra] for n in ("gate", "up")
+        }
+        tensors |= {
+            f"mlp.{n}_proj.weight": torch.cat([w, random(extra, hidden)]) for n, w in mlp.items()
+        }
+        down = tensors["mlp.down_proj.weight"][:, : intermediate - extra]
+        tensors["mlp.down_proj.weight"] = torch.cat([down, torch.zeros(hidden, extra)], dim=1)
+        tensors = {
+            f"model.layers.{i}.{n}": t for n, t in tensors.items()
+        }  # (hidden, intermediate) down
+        files.append((f"model-layer-{i:03d}.safetensors", tensors))
     for file_name, tensors in files:
         save_file({n: t.contiguous() for n, t in tensors.items()}, dest / file_name)
         weight_map |= {n: file_name for n in tensors}
@@ -142,8 +148,6 @@ def raw_read_s(model):
     """Seconds for the offloader's own reads of every streamed layer with nothing computing,
     and the bytes: its storage's preads (O_DIRECT, no page cache) into a slot of the ring's
     size, one layer after another, as its reader thread issues them during a pass."""
-    import offload
-
     ring = model.ring
     ring.drain()  # no prefetch in flight: the disk is ours alone
     slot = offload.page_aligned(ring.storage.slot_nbytes(), ring.ops.device)  # (nbytes,)
@@ -154,220 +158,129 @@ def raw_read_s(model):
     return time.perf_counter() - start, len(ring.order) * ring.storage.slot_nbytes()
 
 
-def compute_s(model, context, token_counts, repeats=3):
-    """Seconds of one pass of the in-memory model over n new tokens after `context`, per n."""
-    from transformers import DynamicCache
-
-    from specexec import chain, tree_forward
-
-    cache = DynamicCache()
-    tree_forward(model, cache, context, chain(len(context)))
-    seconds = {}
-    for n in token_counts:
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            tree_forward(model, cache, (context * n)[:n], chain(n))
-            times.append(time.perf_counter() - start)
-            cache.crop(-n)  # back to the context
-        seconds[n] = min(times)
-    return seconds
+# ---- the peers: accelerate's disk offload of the same checkpoint ----
 
 
-# ---- the rows: plain decoding and SpecExec, the target streamed from disk ----
+def accelerate_target(folder, dtype):
+    """The checkpoint in `folder` as accelerate streams it: every decoder layer on "disk", read
+    from the safetensors files in place at each forward (float32 files: no copy is made), the
+    rest in memory; the files dropped from the page cache before every pass."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    n_layers = AutoConfig.from_pretrained(folder).num_hidden_layers
+    device_map = dict.fromkeys(["model.embed_tokens", "model.norm", "model.rotary_emb"], "cpu")
+    device_map |= {"lm_head": "cpu"} | {f"model.layers.{i}": "disk" for i in range(n_layers)}
+    copies = Path.home() / ".cache" / "specexec" / "accelerate"  # only for non-float32 files
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, device_map=device_map, offload_folder=copies, dtype=dtype
+    ).eval()
+    os.sync()
 
-@dataclass
-class Row:
-    """One method over every prompt."""
+    def cold(module, args):
+        for where in (folder, copies):
+            common.evict_page_cache(where)
 
-    budget: int | str | None  # None: plain decoding; "auto": chosen as it runs
-    outputs: list
-    tokens: int = 0
-    steps: int = 0  # target passes
-    fed: int = 0  # tokens fed to the target after the prompts: roots and trees
-    seconds: float = 0.0
-    target_s: float = 0.0
-    chosen: list = field(default_factory=list)  # budget auto: each step's (budget, depth)
-
-    label = property(lambda self: f"SpecExec, budget {self.budget}" if self.budget else "plain")
-    rate = property(lambda self: self.tokens / self.seconds)
-    tokens_per_step = property(lambda self: self.tokens / self.steps)
-    fed_per_step = property(lambda self: round(self.fed / self.steps))
-    pass_s = property(lambda self: self.target_s / self.steps)
-    other_s = property(lambda self: (self.seconds - self.target_s) / self.steps)  # per step
-
-    @property
-    def choices(self):
-        """Budget auto: the (budget, depth) it chose most, and how often."""
-        (budget, depth), n = Counter(self.chosen).most_common(1)[0]
-        return f"budget {budget}, depth {depth}; in {n} of {len(self.chosen)} steps"
-
-
-def measure(row, target, draft, ids, cfg, eos):
-    """Decode one prompt as `row` says (plain, or SpecExec at its budget); add it to the row."""
-    import specexec
-
-    options = dict(max_new_tokens=cfg.tokens, eos_token_id=eos)
-    if row.budget is None:
-        tokens, stats = specexec.autoregressive(target, ids, **options)
-    else:
-        tokens, stats = specexec.generate(target, draft, ids, budget=row.budget, **options)
-    row.outputs.append(tokens)
-    row.tokens += stats.new_tokens
-    row.steps += stats.steps
-    row.fed += stats.steps + sum(stats.tree_sizes)
-    row.seconds += stats.time_total
-    row.target_s += stats.time_target
-    row.chosen += stats.choices
-
-
-def measure_interleaved(rows, target, draft, prompt_ids, cfg, eos):
-    """Every row on every prompt, prompt by prompt: the disk's speed drifts during a run (a
-    shared virtual disk), and interleaved rows all see the same drift."""
-    for i, ids in enumerate(prompt_ids):
-        started = time.perf_counter()
-        for row in rows:
-            measure(row, target, draft, ids, cfg, eos)
-        print(f"bench_disk: prompt {i + 1} of {len(prompt_ids)}, every row: "
-              f"{time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
-    return rows
-
-
-def projected_rate(row, read_s, compute):
-    """Tokens/s from the parts: a pass costs the slower of reading every layer and computing
-    over the tree (the ring reads layer i + 1 while layer i computes), plus the step's
-    drafting and bookkeeping measured in the row."""
-    return row.tokens_per_step / (max(read_s, compute[row.fed_per_step]) + row.other_s)
+    model.register_forward_pre_hook(cold)
+    return model
 
 
 # ---- run, report, plot ----
 
 
 def run(cfg, folder):
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
 
-    import offload
-
+    logging.set_verbosity_error()  # HF's notes on generation arguments, once per call
     started = time.strftime("%Y-%m-%d %H:%M")
-    print(f"machine: {machine()}; {started}")
+    print(f"machine: {common.machine()}; {started}")
     config = folder / "config.json"
-    if not (config.exists() and json.loads(config.read_text())["num_hidden_layers"] == cfg.layers):
+    if cfg.layers and not (
+        config.exists() and json.loads(config.read_text())["num_hidden_layers"] == cfg.layers
+    ):
         start = time.perf_counter()
         grow_target(cfg.target, folder, cfg.layers, cfg.intermediate)
         print(f"grew {cfg.target} into {folder} in {time.perf_counter() - start:.0f} s")
     cpu, float32 = torch.device("cpu"), torch.float32
-    target = offload.from_pretrained(folder, mode="ssd", device=cpu, dtype=float32)
+    copies = Path.home() / ".cache" / "specexec" / "offload"  # as the CLI keeps them
+    target = offload.from_pretrained(
+        folder, mode="ssd", device=cpu, dtype=float32, offload_dir=copies
+    )
     read_before, nbytes = raw_read_s(target)
-    draft = models.load(cfg.draft, cpu, float32)
+    if cfg.draft_layers:
+        draft = AutoModelForCausalLM.from_pretrained(
+            folder, num_hidden_layers=cfg.draft_layers, dtype=float32
+        ).eval()
+        what = f"the target's first {cfg.draft_layers} layers"
+    else:
+        draft, what = models.load(cfg.draft, cpu, float32), cfg.draft
+    peer = None if cfg.skip_peers else accelerate_target(folder, float32)
+    meters = [
+        common.Meter(target, *[peer] * bool(peer)),
+        common.Meter(draft),
+    ]  # the peer's passes: target's
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    prompts = json.loads((HERE / "models" / "prompts.json").read_text())[: cfg.prompts]
-    prompt_ids = [tokenizer(p["prompt"])["input_ids"] for p in prompts]
+    prompt_ids = common.held_out_prompts(tokenizer, cfg.prompts)
     eos = tokenizer.eos_token_id
-    budgets = [b if b == "auto" else int(b) for b in cfg.budgets.split(",")]
+    options = dict(eos_token_id=eos, draft_threads=cfg.draft_threads)
     print(f"{len(prompt_ids)} held-out prompts x {cfg.tokens} new tokens, greedy; target "
-          f"offloaded (ssd, float32, cpu), draft {cfg.draft} in memory (float32)\n")  # fmt: skip
+          f"{folder} streamed (float32, cpu), draft {what} in memory (float32)\n")  # fmt: skip
+
+    def plain(i, ids, n=cfg.tokens):
+        return specexec.autoregressive(target, ids, max_new_tokens=n, eos_token_id=eos)
+
+    def speculative(budget):
+        def decode(i, ids, n=cfg.tokens):
+            return specexec.generate(target, draft, ids, max_new_tokens=n, budget=budget, **options)
+
+        return decode
+
+    def accelerate(assistant):
+        def decode(i, ids, n=cfg.tokens):
+            options = dict(max_new_tokens=n, eos_token_id=eos, pad_token_id=eos, do_sample=False)
+            out = peer.generate(torch.tensor([ids]), assistant_model=assistant, **options)
+            return out[0, len(ids) :].tolist(), None  # (1, len(ids) + new)
+
+        return decode
+
+    methods = [(common.Row("streamed", "plain decoding"), plain)]
+    if peer is not None:
+        methods += [(common.Row("streamed", "accelerate disk offload, plain"), accelerate(None))]
+        methods += [
+            (common.Row("streamed", "accelerate disk offload, assisted"), accelerate(draft))
+        ]
+    methods += [
+        (common.Row("streamed", "SpecExec", b), speculative(b)) for b in common.budgets(cfg.budgets)
+    ]
     with target, torch.no_grad():
-        measure(Row(16, []), target, draft, prompt_ids[0][:32], DiskBenchConfig(tokens=4), eos)
-        rows = [Row(budget, []) for budget in [None, *budgets]]  # plain decoding first
-        measure_interleaved(rows, target, draft, prompt_ids, cfg, eos)
+        for _, decode in methods:  # warm-up: threads, allocator, lazy initialisation
+            decode(0, prompt_ids[0][:32], 2)
+        rows = common.measure_interleaved(methods, prompt_ids, meters, "bench_disk")
         read_after, _ = raw_read_s(target)  # the disk's speed moves on a shared machine
-
-    # the compute with no reading: the same model held in memory, one pass per tree size
-    in_memory = models.load(folder, cpu, float32)
-    with torch.no_grad():
-        compute = compute_s(in_memory, prompt_ids[0], sorted({r.fed_per_step for r in rows}))
-    del in_memory
-    read_s = (read_before + read_after) / 2  # before and after the runs: their mean
-    print(f"\ndisk, the offloader's reads of the {cfg.layers} layers with nothing computing "
-          f"(O_DIRECT): {nbytes / 1e9:.2f} GB in {read_before:.2f} s before the runs, "
-          f"{read_after:.2f} s after: "
-          f"{nbytes / 1e9 / read_s:.2f} GB/s on average\n")  # fmt: skip
-    report(cfg, rows, read_s, compute)
-    print(f"\nload average at the end: {os.getloadavg()[0]:.1f}")
-    save_plot(cfg, rows, read_s, compute, nbytes, started)
-    print(f"plot: {cfg.plot}")
-
-
-def report(cfg, rows, read_s, compute):
-    plain = rows[0]
-    print(
-        "| method | tokens/pass | fed/pass | target pass s | compute-only s | drafting + other "
-        "s/step | tokens/s | speedup | projected tokens/s | measured / projected | exact |"
+    read_s = (read_before + read_after) / 2
+    common.print_table(rows)
+    common.print_auto(rows)
+    print(f"\ndisk, the offloader's reads of the {nbytes / 1e9:.2f} GB of layers with nothing "
+          f"computing (O_DIRECT): {read_before:.2f} s before the rows, {read_after:.2f} s after: "
+          f"{nbytes / 1e9 / read_s:.2f} GB/s on average; load average at the end: "
+          f"{os.getloadavg()[0]:.1f}")  # fmt: skip
+    title = (
+        f"A {nbytes / 1e9:.1f} GB target streamed from disk each pass, greedy, against "
+        f"accelerate's disk offload\n({folder.name}, float32; draft {Path(what).name}; "
+        f"{os.cpu_count()}-core CPU, {started[:10]}); lines: the rows without a fixed budget"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")  # fmt: skip
-    for row in rows:
-        projected = projected_rate(row, read_s, compute)
-        exact = "reference" if row is plain else "yes" if row.outputs == plain.outputs else "NO"
-        print(
-            f"| {row.label} | {row.tokens_per_step:.2f} | {row.fed_per_step} | {row.pass_s:.2f} "
-            f"| {compute[row.fed_per_step]:.2f} | {row.other_s:.3f} | {row.rate:.2f} "
-            f"| {row.rate / plain.rate:.2f}x | {projected:.2f} | {row.rate / projected:.2f} "
-            f"| {exact} |"
-        )
-    fixed = [r for r in rows[1:] if r.budget != "auto"]
-    best = max(fixed, key=lambda r: r.rate)
-    error = best.rate / projected_rate(best, read_s, compute) - 1
-    share = best.other_s / (best.seconds / best.steps)
-    print("\ngoals (printed, not asserted):")
-    print(f"- best budget {best.budget}: {best.rate / plain.rate:.2f}x plain decoding of the same "
-          f"offloaded target (goal >= 2.5x, stretch 3x)")  # fmt: skip
-    print(f"- measured vs projected at budget {best.budget}: {error:+.0%} (goal within 20%)")
-    print(f"- drafting + everything but the target pass: {share:.0%} of a step (goal < 25%)")
-    for auto in (r for r in rows if r.budget == "auto"):
-        print(f"- budget auto: {auto.rate / best.rate:.0%} of the best fixed budget's tokens/s "
-              f"(goal >= 90%), {auto.rate / plain.rate:.2f}x plain decoding (goal >= 0.95x); "
-              f"chose {auto.choices}")  # fmt: skip
-
-
-def save_plot(cfg, rows, read_s, compute, nbytes, started):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    spec = [r for r in rows[1:] if r.budget != "auto"]
-    budgets = [r.budget for r in spec]
-    best = max(spec, key=lambda r: r.rate)
-    speedup = f"best: {best.rate / rows[0].rate:.1f}x plain decoding, at budget {best.budget}"
-    fig, ax = plt.subplots(figsize=(8, 6.2), dpi=100)
-    ax.plot(budgets, [r.rate for r in spec], "o-", color="C0", linewidth=2.5, markersize=7,
-            label=f"SpecExec, measured ({speedup})")  # fmt: skip
-    projected = [projected_rate(r, read_s, compute) for r in spec]
-    ax.plot(budgets, projected, "s--", color="C0", alpha=0.5,
-            label="SpecExec, projected from parts of this run")  # fmt: skip
-    ax.axhline(rows[0].rate, color="C3", linewidth=2, label="plain decoding, measured")
-    for auto in (r for r in rows if r.budget == "auto"):
-        chose = auto.choices.split(";")[0]
-        ax.axhline(auto.rate, color="C2", linewidth=2, linestyle="--",
-                   label=f"SpecExec, budget auto (mostly {chose})")  # fmt: skip
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(budgets, [str(b) for b in budgets])
-    ax.set_ylim(0, max(max(r.rate for r in spec), *projected) * 1.2)  # room for the labels
-    ax.tick_params(labelsize=11)
-    ax.set_xlabel("budget: draft tree nodes the target verifies per pass", fontsize=12)
-    ax.set_ylabel("tokens per second (wall clock)", fontsize=12)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=11, loc="upper center", bbox_to_anchor=(0.5, -0.14))  # below: no overlap
-    ax.set_title(
-        f"A {nbytes / 1e9:.1f} GB target streamed from disk each pass, greedy\n"
-        f"({cfg.layers}-layer grown default target, float32; {os.cpu_count()}-core CPU, "
-        f"{started[:10]})",
-        fontsize=12,
-    )
-    fig.tight_layout()
-    fig.savefig(cfg.plot)
-    plt.close(fig)
+    common.plot_budgets(rows, cfg.plot, title)
 
 
 def main(argv=None):
-    parser = command_line(DiskBenchConfig, __doc__.split("\n\n")[0])
-    cfg = DiskBenchConfig(**vars(parser.parse_args(argv)))
+    cfg = common.read_config(DiskBenchConfig, __doc__, argv)
     if cfg.grow_to:
         grow_target(cfg.target, cfg.grow_to, cfg.layers, cfg.intermediate)
         print(f"{cfg.grow_to}: the default target grown to {cfg.layers} layers x "
               f"{cfg.intermediate} MLP units, float32")  # fmt: skip
         return
+    if not cfg.layers:  # the target as it is
+        return run(cfg, Path(cfg.target))
     folder = Path(cfg.folder or tempfile.mkdtemp(prefix="specexec-grown-"))
     try:
         run(cfg, folder)

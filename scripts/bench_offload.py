@@ -17,8 +17,9 @@ target instead: held-out loss and top-1 agreement with the full model.
 """
 
 import concurrent.futures
-import json
 import os
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from functools import partial
@@ -29,7 +30,7 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import offload
-from scripts.common import command_line, cpu_name
+from scripts.common import cpu_name, evict_page_cache, read_config, write_random_llama
 from specexec import option
 from specexec_tools import checkpoint
 from specexec_tools.models import CACHE
@@ -41,33 +42,35 @@ class BenchConfig:
     """The benchmark's defaults, written once; the command line reads them (`--help`)."""
 
     tokens: str = option("1,16,128,1024", "tokens per pass, comma-separated")
+    dtype: str = option("", "the model's dtype; empty: float16 on cuda, float32 on cpu")
     layers: int = option(16, "decoder layers of the random Llama")
     hidden: int = option(2048, "hidden size (heads of 64)")
-    intermediate: int = option(5632, "MLP size")
-    vocab: int = option(32000, "vocabulary size")
-    buffers: int = option(2, "device buffers in the ring")
     device: str = field(  # a field of its own: only these two
         default="cpu",
         metadata={"help": "cuda: CUDA-event timers, copy timeline", "choices": ("cpu", "cuda")},
     )
-    dtype: str = option("", "the model's dtype; empty: float16 on cuda, float32 on cpu")
+    intermediate: int = option(5632, "MLP size")
+    vocab: int = option(32000, "vocabulary size")
+    buffers: int = option(2, "device buffers in the ring")
+    # on cpu only
     quantize: str = option("int8,int4", "cpu: quantized rows beside each float one; '': none")
     threads: int = option(max(1, (os.cpu_count() or 2) - 1), "cpu: all cores but the reader's")
     ram_limit_gb: float = option(2.0, "cpu: the ssd process's RLIMIT_DATA, below the model")
     folder: str = option("", "keep the random checkpoint here; empty: a temp folder")
+    # instead of timing
     quality: str = option("", "a model folder: held-out loss float vs int8 vs int4, not timing")
     windows: int = option(10**6, "--quality: at most this many held-out windows of 512 tokens")
 
 
 def bench(opts: BenchConfig) -> str:
     """Time one pass per token count for each tier, each in a fresh process; return the report."""
-    import shutil
-    import tempfile
-
     tokens = [int(n) for n in opts.tokens.split(",")]
     folder = Path(opts.folder or tempfile.mkdtemp(prefix="offload-bench-"))
     try:
-        write_random_llama(folder, opts, model_dtype(opts))
+        shape = dict(hidden_size=opts.hidden, intermediate_size=opts.intermediate)
+        shape |= dict(num_attention_heads=opts.hidden // 64, vocab_size=opts.vocab)
+        shape |= dict(num_key_value_heads=max(1, opts.hidden // 512), max_position_embeddings=4096)
+        write_random_llama(folder, model_dtype(opts), num_hidden_layers=opts.layers, **shape)
         if opts.device == "cuda":
             return bench_cuda(folder, tokens, opts, model_dtype(opts))
         runs = {t: in_fresh_process(measure, folder, t, tokens, opts) for t in tiers(opts)}
@@ -86,49 +89,6 @@ def tiers(opts: BenchConfig) -> list[str]:
     in-memory model, the compute baseline."""
     kinds = ["", *(kind for kind in opts.quantize.split(",") if kind)]
     return [f"{mode} {kind}".strip() for mode in ("ssd", "ram") for kind in kinds] + ["resident"]
-
-
-def write_random_llama(folder: Path, opts: BenchConfig, dtype: torch.dtype) -> None:
-    """A random Llama as safetensors, one shard per layer, written without holding it in RAM."""
-    from safetensors.torch import save_file
-    from transformers import LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=opts.vocab,
-        hidden_size=opts.hidden,
-        intermediate_size=opts.intermediate,
-        num_hidden_layers=opts.layers,
-        num_attention_heads=opts.hidden // 64,
-        num_key_value_heads=max(1, opts.hidden // 512),
-        max_position_embeddings=4096,
-    )
-    config.save_pretrained(folder)
-    with torch.device("meta"):
-        shapes = {
-            n: p.shape for n, p in AutoModelForCausalLM.from_config(config).named_parameters()
-        }
-    shards = [[n for n in shapes if not n.startswith("model.layers.")]]
-    shards += [
-        [n for n in shapes if n.startswith(f"model.layers.{i}.")] for i in range(opts.layers)
-    ]
-    weight_map, generator = {}, torch.Generator().manual_seed(0)
-    for k, names in enumerate(tqdm(shards, desc="bench: writing a random checkpoint")):
-        tensors = {n: torch.randn(shapes[n], generator=generator) * 0.02 for n in names}
-        tensors.update({n: torch.ones(shapes[n]) for n in names if n.endswith("norm.weight")})
-        tensors = {n: t.to(dtype) for n, t in tensors.items()}  # the ssd tier reads it in place
-        save_file(tensors, folder / f"model-{k:05d}.safetensors")
-        weight_map.update(dict.fromkeys(names, f"model-{k:05d}.safetensors"))
-    index = {"metadata": {}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    os.sync()  # dirty pages cannot be evicted: write them back before any cold read
-
-
-def evict_page_cache(folder: Path) -> None:
-    """Drop the folder's files from the page cache, so the next read comes from the disk."""
-    for path in filter(Path.is_file, folder.iterdir()):
-        fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        os.close(fd)
 
 
 def in_fresh_process(function, *args):
@@ -153,11 +113,7 @@ def measure(folder: Path, tier: str, tokens: list[int], opts: BenchConfig) -> di
     if tier == "resident":
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=model_dtype(opts)).eval()
     else:  # ssd + quantize reads a quantized copy, converted once into folder/offload
-        options = {
-            "buffers": opts.buffers,
-            "quantize": kind or None,
-            "offload_dir": folder / "offload",
-        }
+        options = dict(buffers=opts.buffers, quantize=kind or None, offload_dir=folder / "offload")
         model = offload.from_pretrained(folder, mode=mode, device="cpu", **options)
         folder = model.converted_folder or folder  # where its reads come from
     one_pass(model, 1)  # warm-up: thread start, allocator, lazy initialisation
@@ -209,23 +165,19 @@ def report(opts: BenchConfig, tokens: list[int], runs: dict) -> str:
     dtype = model_dtype(opts)
     resident_gb = 2 * opts.vocab * opts.hidden * dtype.itemsize / 1e9  # embeddings and LM head
     kv_gb = 2 * opts.layers * max(1, opts.hidden // 512) * 64 * max(tokens) * dtype.itemsize / 1e9
-    lines = [
-        f"machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-        + f"{opts.threads} compute thread(s); load average {os.getloadavg()[0]:.1f} at the end",
-        f"model: random Llama, {str(dtype).removeprefix('torch.')}, {opts.layers} layers x "
-        + f"{layer_gb:.3f} GB + resident parts "
-        + f"{resident_gb:.2f} GB = {opts.layers * layer_gb + resident_gb:.2f} GB; "
-        + f"buffers={opts.buffers}; one pass per row, each tier in a fresh process",
-        "read = the tier's transfers alone (ssd: cold O_DIRECT reads; ram: memcpy into a slot), "
-        + "mean of just before and just after the pass; compute = the in-memory model's pass",
-        "overlap = pass / max(read, compute), goal <= 1.15; I/O eff = read / pass, goal >= 0.85 "
-        + "for ssd at 1 token",
-        f"ssd ran under RLIMIT_DATA = {opts.ram_limit_gb} GB; its RSS budget: resident "
-        + f"{resident_gb:.2f} + {opts.buffers} x layer {layer_gb:.3f} + KV {kv_gb:.3f} GB "
-        + f"+ {runs['ssd']['baseline_rss'] / 1e9:.2f} GB for Python, torch, transformers",
-        "int8 / int4 rows: the linear weights stored and moved quantized, dequantized as they "
-        + "land; moved x, pass x: against the same tier's float row",
-    ]
+    lines = f"""machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, \
+{opts.threads} compute thread(s); load average {os.getloadavg()[0]:.1f} at the end
+model: random Llama, {str(dtype).removeprefix("torch.")}, {opts.layers} layers x {layer_gb:.3f} GB \
++ resident parts {resident_gb:.2f} GB = {opts.layers * layer_gb + resident_gb:.2f} GB; \
+buffers={opts.buffers}; one pass per row, each tier in a fresh process
+read = the tier's transfers alone (ssd: cold O_DIRECT reads; ram: memcpy into a slot), mean of \
+just before and just after the pass; compute = the in-memory model's pass
+overlap = pass / max(read, compute); I/O eff = read / pass
+ssd ran under RLIMIT_DATA = {opts.ram_limit_gb} GB; its RSS budget: resident {resident_gb:.2f} \
++ {opts.buffers} x layer {layer_gb:.3f} + KV {kv_gb:.3f} GB \
++ {runs["ssd"]["baseline_rss"] / 1e9:.2f} GB for Python, torch, transformers
+int8 / int4 rows: the linear weights stored and moved quantized, dequantized as they land; \
+moved x, pass x: against the same tier's float row""".splitlines()
     for n in tokens:
         lines += ["", f"tokens = {n}"]
         lines.append(
@@ -283,9 +235,8 @@ def quality(target: str, windows: int, seq_len: int = 512, batch: int = 8) -> st
         with offload.from_pretrained(target, **options) as model:
             for i in tqdm(range(0, n, batch), desc=f"quality: {kind or 'full'}"):
                 logits = model(inputs[i : i + batch], use_cache=False).logits  # (b, seq, vocab)
-                loss += F.cross_entropy(
-                    logits.flatten(0, 1), labels[i : i + batch].flatten(), reduction="sum"
-                ).item()
+                targets = labels[i : i + batch].flatten()
+                loss += F.cross_entropy(logits.flatten(0, 1), targets, reduction="sum").item()
                 top1.append(logits.argmax(-1))  # (b, seq_len)
         top1 = torch.cat(top1)  # (n, seq_len)
         full_top1 = top1 if full_top1 is None else full_top1
@@ -304,7 +255,7 @@ def bench_cuda(folder: Path, tokens: list[int], opts: BenchConfig, dtype: torch.
         + f"random Llama, {opts.layers} layers, {dtype}, buffers={opts.buffers}",
         "busy = copy engine busy / pass; gap = idle time between copies (mean, max); overlap = "
         + "copy time that ran beside a kernel / copy time; raw = pinned host-to-device copy "
-        + "(ram) or cold O_DIRECT read (ssd) alone; goal: GB/s / raw >= 0.80 ram, >= 0.85 ssd",
+        + "(ram) or cold O_DIRECT read (ssd) alone",
     ]
     resident = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).cuda().eval()
     compute = {n: cuda_seconds(partial(one_pass, resident, n, "cuda")) for n in tokens}
@@ -313,9 +264,8 @@ def bench_cuda(folder: Path, tokens: list[int], opts: BenchConfig, dtype: torch.
     header = f"{'tier':<6}{'tokens':>7}{'pass ms':>9}{'compute ms':>11}{'busy':>6}"
     header += f"{'gap ms':>13}{'overlap':>8}{'GB/s':>7}{'raw GB/s':>9}{'/raw':>6}"
     for tier in ("ram", "ssd"):
-        model = offload.from_pretrained(
-            folder, mode=tier, device="cuda", dtype=dtype, buffers=opts.buffers
-        )
+        options = dict(mode=tier, device="cuda", dtype=dtype, buffers=opts.buffers)
+        model = offload.from_pretrained(folder, **options)
         lines += ["", f"{tier}: pinned host memory {model.pinned_bytes / 1e9:.3f} GB", header]
         with model:
             one_pass(model, 1, "cuda")  # warm-up: reader thread, allocator, kernels
@@ -416,8 +366,7 @@ def intersection(a: tuple[float, float], b: tuple[float, float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = command_line(BenchConfig, __doc__.split("\n\n")[0])
-    opts = BenchConfig(**vars(parser.parse_args(argv)))
+    opts = read_config(BenchConfig, __doc__, argv)
     print(quality(opts.quality, opts.windows) if opts.quality else bench(opts))
 
 

@@ -1,13 +1,25 @@
-"""What the scripts share: the machine a run measured on, named in one line, and a command line
-read from a config dataclass whose fields carry their default and help (`specexec.option`)."""
+"""The benchmarks' one harness: the machine named in one line, a command line read from a config
+dataclass, a meter on each model's passes, the row every method adds up to, the interleaved
+measurement, the table, the plot, and the random checkpoint writer."""
 
 import argparse
+import functools
+import json
 import os
 import platform
+import sys
+import time
 import typing
-from dataclasses import fields
+from collections import Counter
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 import torch
+
+HERE = Path(__file__).resolve().parents[1]  # the repository root
+
+
+# ---- the machine and the command line ----
 
 
 def cpu_name():
@@ -43,3 +55,220 @@ def command_line(config, description):
         choices = f.metadata.get("choices")
         parser.add_argument(flag, type=kind, default=f.default, choices=choices, help=text)
     return parser
+
+
+def read_config(config, doc, argv=None):
+    """The config the command line asks for: `config`'s defaults, overridden by its flags."""
+    return config(**vars(command_line(config, doc.split("\n\n")[0]).parse_args(argv)))
+
+
+def budgets(text):
+    """ "1,16,auto" -> [1, 16, "auto"]."""
+    return [b if b == "auto" else int(b) for b in text.split(",")]
+
+
+def held_out_prompts(tokenizer, n):
+    """The first n held-out prompts of train_pair.py, as token ids."""
+    prompts = json.loads((HERE / "models" / "prompts.json").read_text())[:n]
+    return [tokenizer(p["prompt"])["input_ids"] for p in prompts]
+
+
+# ---- measuring: a meter per model, a row per method, prompt by prompt ----
+
+
+class Meter:
+    """Counts the forward passes of `models` and the seconds spent in them, by wrapping each
+    one's forward: every caller goes through it (ours, Hugging Face's `generate`, offload.py)."""
+
+    def __init__(self, *models):
+        self.passes, self.seconds = 0, 0.0
+        for model in models:
+            model.forward = self.metered(model.forward, torch.device(model.device))
+
+    def metered(self, forward, device):
+        sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+
+        @functools.wraps(forward)  # keeps the signature, which HF's generate inspects
+        def metered(*args, **kwargs):
+            sync()
+            start = time.perf_counter()
+            out = forward(*args, **kwargs)
+            sync()
+            self.seconds += time.perf_counter() - start
+            self.passes += 1
+            return out
+
+        return metered
+
+
+@dataclass
+class Row:
+    """One method at one setting, summed over the prompts."""
+
+    setting: str  # "greedy", "sampled", "1 thread", ...
+    method: str
+    budget: int | str | None = None  # SpecExec's ("auto" too); None for the others
+    outputs: list = field(default_factory=list)  # new tokens per prompt
+    tokens: int = 0
+    target_passes: int = 0
+    draft_passes: int = 0
+    seconds: float = 0.0
+    draft_s: float = 0.0  # inside the draft's forward
+    target_s: float = 0.0  # inside the target's forward
+    exact: str = ""
+    chosen: list = field(default_factory=list)  # budget auto: each step's (budget, depth)
+
+    tokens_per_pass = property(lambda self: self.tokens / max(1, self.target_passes))
+    rate = property(lambda self: self.tokens / self.seconds)
+
+    @property
+    def label(self):
+        return f"{self.method}, budget {self.budget}" if self.budget else self.method
+
+    @property
+    def split(self):
+        """Seconds drafting, in target passes, and the rest."""
+        return self.draft_s, self.target_s, self.seconds - self.draft_s - self.target_s
+
+    def choices(self):
+        """Budget auto: the (budget, depth) it chose most, and how often."""
+        (budget, depth), n = Counter(self.chosen).most_common(1)[0]
+        what = f"budget {budget}, depth {depth}" if budget else "plain steps"
+        return f"{what} in {n} of {len(self.chosen)} steps"
+
+
+def measure_interleaved(methods, prompt_ids, meters, progress):
+    """Each (row, decode) on every prompt, prompt by prompt: a busy moment of the machine, or
+    the drift of a shared disk, hits every row alike. decode(i, ids) -> (new tokens, Stats or
+    None); meters: the target's, then the drafts'. Says how far it got on stderr."""
+    for i, ids in enumerate(prompt_ids):
+        started = time.perf_counter()
+        for row, decode in methods:
+            before = [(m.passes, m.seconds) for m in meters]
+            start = time.perf_counter()
+            tokens, stats = decode(i, ids)
+            row.seconds += time.perf_counter() - start
+            row.outputs.append(tokens)
+            row.tokens += len(tokens)
+            (passes, seconds), *drafting = [
+                (m.passes - p, m.seconds - s) for m, (p, s) in zip(meters, before)
+            ]
+            row.target_passes, row.target_s = row.target_passes + passes, row.target_s + seconds
+            row.draft_passes += sum(p for p, _ in drafting)
+            row.draft_s += sum(s for _, s in drafting)
+            row.chosen += stats.budgets if stats is not None else []
+        print(f"bench [{progress}]: prompt {i + 1} of {len(prompt_ids)}, every row: "
+              f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
+    reference = methods[0][0]
+    reference.exact = "reference"
+    for row, _ in methods[1:]:  # token for token against the first row: plain decoding
+        row.exact = row.exact or ("yes" if row.outputs == reference.outputs else "NO")
+    return [row for row, _ in methods]
+
+
+# ---- reporting: the table, auto's line, the plot ----
+
+
+def print_table(rows):
+    """A markdown table; speedups against each setting's first row (plain decoding)."""
+    print("| setting | method | tokens/target pass | tokens/s | speedup | time split draft / "
+          "target / other | exact |\n|---|---|---:|---:|---:|---|---|")  # fmt: skip
+    base = {}
+    for row in rows:
+        base.setdefault(row.setting, row.rate)
+        split = " / ".join(f"{100 * s / row.seconds:.0f}%" for s in row.split)
+        print(f"| {row.setting} | {row.label} | {row.tokens_per_pass:.2f} | {row.rate:.2f} "
+              f"| {row.rate / base[row.setting]:.2f}x | {split} | {row.exact} |")  # fmt: skip
+
+
+def print_auto(rows):
+    """Per setting: budget auto against plain decoding (the first row) and the best fixed budget."""
+    for setting in dict.fromkeys(row.setting for row in rows):
+        mine = [row for row in rows if row.setting == setting]
+        fixed = [row for row in mine if isinstance(row.budget, int)]
+        for auto in (row for row in mine if row.budget == "auto"):
+            line = f"{setting}, {auto.label}: {auto.rate / mine[0].rate:.2f}x plain decoding"
+            if fixed:
+                best = max(fixed, key=lambda row: row.rate)
+                line += f", {auto.rate / best.rate:.0%} of the best fixed budget ({best.budget})"
+            print(f"{line}; chose {auto.choices()}")
+
+
+def plot_budgets(rows, path, title, values=("rate",)):
+    """Per setting, each value against SpecExec's fixed budgets; the other rows (plain decoding,
+    the peers, budget auto) as horizontal lines. One panel per value."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = {"rate": "tokens/s, wall clock", "tokens_per_pass": "tokens per target pass"}
+    curves = dict.fromkeys((r.setting, r.method) for r in rows if isinstance(r.budget, int))
+    flat = [r for r in rows if not isinstance(r.budget, int)]  # no budget, or auto's
+    colours = list(dict.fromkeys([m for _, m in curves] + [r.label for r in flat]))
+    settings = list(dict.fromkeys(r.setting for r in rows))
+
+    def style(setting, name):  # a colour per method, a line style per setting
+        dashes = ("-", "--", ":", "-.")[settings.index(setting) % 4]
+        return dict(color=f"C{colours.index(name) % 10}", ls=dashes, label=f"{name}, {setting}")
+
+    fig, axes = plt.subplots(1, len(values), figsize=(2 + 6 * len(values), 6.5), squeeze=False)
+    for ax, value in zip(axes[0], values):
+        for setting, method in curves:
+            spec = [r for r in rows if (r.setting, r.method) == (setting, method)]
+            spec = [r for r in spec if isinstance(r.budget, int)]
+            x = [r.budget for r in spec]
+            ax.plot(x, [getattr(r, value) for r in spec], marker="o", **style(setting, method))
+        for row in flat:
+            ax.axhline(getattr(row, value), **style(row.setting, row.label))
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x, [str(b) for b in x])
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("budget: draft tree nodes the target verifies per pass")
+        ax.set_title(names[value])
+        ax.grid(alpha=0.3)
+    handles, labels = axes[0][-1].get_legend_handles_labels()  # one legend, below the panels
+    fig.legend(handles, labels, loc="lower center", ncol=2, frameon=False, fontsize=9)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.03 + 0.025 * len(labels) / 2 * 2 / len(values), 1, 1))
+    fig.savefig(path)
+    plt.close(fig)
+    print(f"plot: {path}")
+
+
+# ---- checkpoints on disk ----
+
+
+def write_random_llama(folder, dtype, **shape):
+    """A random Llama (LlamaConfig fields in `shape`) as safetensors, one file per layer and one
+    for the rest, written a layer at a time, so never held in RAM whole; synced to disk."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**shape)
+    config.save_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+        shapes = {name: p.shape for name, p in model.named_parameters()}
+    groups = [[n for n in shapes if not n.startswith("model.layers.")]]
+    groups += [[n for n in shapes if n.startswith(f"model.layers.{i}.")]
+               for i in range(config.num_hidden_layers)]  # fmt: skip
+    weight_map, generator = {}, torch.Generator().manual_seed(0)
+    for k, names in enumerate(groups):
+        tensors = {n: torch.randn(shapes[n], generator=generator) * 0.02 for n in names}
+        tensors |= {n: torch.ones(shapes[n]) for n in names if n.endswith("norm.weight")}
+        save_file(
+            {n: t.to(dtype) for n, t in tensors.items()}, folder / f"model-{k:05d}.safetensors"
+        )
+        weight_map |= dict.fromkeys(names, f"model-{k:05d}.safetensors")
+    index = {"metadata": {}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    os.sync()  # dirty pages cannot be evicted: written back, later reads come from the disk
+
+
+def evict_page_cache(folder):
+    """Drop the folder's files from the page cache, so that the next read comes from the disk."""
+    for path in filter(Path.is_file, Path(folder).iterdir()):
+        fd = os.open(path, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)

@@ -139,30 +139,20 @@ def batches(stream, batch_size, seq_len, generator):
 
 def draft_shape(cfg):
     """The draft: a narrower, shallower Llama (default: hidden 128, 2 layers, ~0.95M parameters)."""
-    heads = cfg.draft_hidden // 64
-    return dict(
-        hidden_size=cfg.draft_hidden,
-        intermediate_size=3 * cfg.draft_hidden,
-        num_hidden_layers=cfg.draft_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-    )
+    width, heads = cfg.draft_hidden, cfg.draft_hidden // 64
+    shape = dict(hidden_size=width, intermediate_size=3 * width, num_hidden_layers=cfg.draft_layers)
+    return shape | dict(num_attention_heads=heads, num_key_value_heads=heads)
 
 
 def make_model(shape, tokenizer, cfg):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        max_position_embeddings=cfg.seq_len,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.eos_token_id,
-        rope_theta=10000.0,
-        **shape,
+    eos = tokenizer.eos_token_id
+    tokens = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=eos)
+    shape = shape | dict(max_position_embeddings=cfg.seq_len, tie_word_embeddings=True)
+    return LlamaForCausalLM(
+        LlamaConfig(vocab_size=len(tokenizer), rope_theta=1e4, **tokens, **shape)
     )
-    return LlamaForCausalLM(config)
 
 
 def load_trained(folder):
@@ -197,22 +187,16 @@ def train(model, stream, steps, lr, cfg, log, name, teacher=None, distill_weight
         if teacher is not None:
             with torch.no_grad():
                 teacher_logp = F.log_softmax(teacher(inputs).logits, -1)
-            kl = (
-                F.kl_div(
-                    F.log_softmax(logits, -1), teacher_logp, log_target=True, reduction="batchmean"
-                )
-                / cfg.seq_len
-            )
+            logp = F.log_softmax(logits, -1)  # (batch, seq_len, vocab)
+            kl = F.kl_div(logp, teacher_logp, log_target=True, reduction="batchmean") / cfg.seq_len
             loss = distill_weight * kl + (1 - distill_weight) * ce
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         if step % 50 == 0 or step == steps - 1:
-            log(
-                f"{name} step {step:5d}/{steps}  loss {loss.item():.4f}  ce {ce.item():.4f}  "
-                f"lr {lr_at(step, steps, lr):.2e}  {time.time() - start:7.1f}s"
-            )
+            log(f"{name} step {step:5d}/{steps}  loss {loss.item():.4f}  ce {ce.item():.4f}  "
+                f"lr {lr_at(step, steps, lr):.2e}  {time.time() - start:7.1f}s")  # fmt: skip
     model.eval()
     return model
 
@@ -221,10 +205,7 @@ def train(model, stream, steps, lr, cfg, log, name, teacher=None, distill_weight
 def evaluate(target, drafts, stream, cfg):
     """Held-out loss of each model, and each draft's top-1 / top-8 agreement with the target."""
     gen = torch.Generator().manual_seed(cfg.seed + 12345)
-    sums = {"target": 0.0, **{name: 0.0 for name in drafts}}
-    agree1 = {name: 0 for name in drafts}
-    agree8 = {name: 0 for name in drafts}
-    n = 0
+    sums, agree1, agree8, n = dict.fromkeys(["target", *drafts], 0.0), {}, {}, 0
     for _, batch in zip(range(cfg.eval_batches), batches(stream, cfg.batch_size, cfg.seq_len, gen)):
         inputs, labels = batch[:, :-1], batch[:, 1:]
         t_logits = target(inputs).logits  # (batch, seq_len, vocab)
@@ -234,8 +215,8 @@ def evaluate(target, drafts, stream, cfg):
             d_logits = draft(inputs).logits
             sums[name] += F.cross_entropy(d_logits.flatten(0, 1), labels.flatten()).item()
             top8 = d_logits.topk(8, -1).indices  # (batch, seq_len, 8)
-            agree1[name] += (top8[..., 0] == t_top1).sum().item()
-            agree8[name] += (top8 == t_top1[..., None]).any(-1).sum().item()
+            agree1[name] = agree1.get(name, 0) + (top8[..., 0] == t_top1).sum().item()
+            agree8[name] = agree8.get(name, 0) + (top8 == t_top1[..., None]).any(-1).sum().item()
         n += labels.numel()
     report = {"held_out_loss": {k: v / cfg.eval_batches for k, v in sums.items()}}
     report["top1_agreement"] = {k: v / n for k, v in agree1.items()}
@@ -305,11 +286,8 @@ def main(argv=None):
         log_file.write(msg + "\n")
         log_file.flush()
 
-    log(f"config: {cfg}")
-    log(
-        f"python {sys.version.split()[0]}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads"
-    )
+    log(f"config: {cfg}\npython {sys.version.split()[0]}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads")  # fmt: skip
     root, train_paths, held_paths = stdlib_files()
     log(f"stdlib at {root}: {len(train_paths)} training files, {len(held_paths)} held out")
     t0 = time.time()
@@ -321,10 +299,8 @@ def main(argv=None):
         tokenizer = train_tokenizer(read_texts(train_paths), cfg.vocab_size)
     train_stream = token_stream(tokenizer, read_texts(train_paths))
     held_stream = token_stream(tokenizer, read_texts(held_paths))
-    log(
-        f"tokenizer: {len(tokenizer)} tokens; {len(train_stream)} training tokens, "
-        f"{len(held_stream)} held out ({time.time() - t0:.0f}s)"
-    )
+    log(f"tokenizer: {len(tokenizer)} tokens; {len(train_stream)} training tokens, "
+        f"{len(held_stream)} held out ({time.time() - t0:.0f}s)")  # fmt: skip
 
     if cfg.target_from:
         target = load_trained(cfg.target_from).eval()
@@ -349,23 +325,14 @@ def main(argv=None):
         draft = make_model(draft_shape(cfg), tokenizer, cfg)
     log(f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M parameters")
     t0 = time.time()
-    train(
-        draft,
-        train_stream,
-        cfg.draft_steps,
-        cfg.draft_lr,
-        cfg,
-        log,
-        "draft",
-        teacher=target,
-        distill_weight=cfg.distill_weight,
-    )
+    steps, lr, weight = cfg.draft_steps, cfg.draft_lr, cfg.distill_weight
+    train(draft, train_stream, steps, lr, cfg, log, "draft", teacher=target, distill_weight=weight)
     log(f"draft distilled in {time.time() - t0:.0f}s")
     drafts = {"draft": draft}
     if cfg.draft_baseline:
         torch.manual_seed(cfg.seed + 1)
         baseline = make_model(draft_shape(cfg), tokenizer, cfg)
-        train(baseline, train_stream, cfg.draft_steps, cfg.draft_lr, cfg, log, "draft-data-only")
+        train(baseline, train_stream, steps, lr, cfg, log, "draft-data-only")
         drafts["draft-data-only"] = baseline
 
     save(draft, tokenizer, out / "draft")  # first, so the report measures the stored weights

@@ -15,8 +15,10 @@ import math
 from dataclasses import dataclass, field
 from itertools import accumulate
 
+WEIGHT = 0.3  # of the newest step in a running mean (the older ones fade by 1 - WEIGHT a step)
 
-def running_mean(old, new, weight=0.3):
+
+def running_mean(old, new, weight=WEIGHT):
     """An exponential running mean: recent steps count most (costs drift as the context grows)."""
     return new if old is None else (1 - weight) * old + weight * new
 
@@ -42,18 +44,30 @@ class CostModel:
     path probability is reached far less often than a shallow one of the same: the draft's
     confidence compounds along a path, its errors too.
 
+    What the trees gave. The rates above are the draft's word, checked edge by edge; a draft
+    that is sure and wrong (a truncated copy of the target) or whose agreement drifts with the
+    text would still be trusted for many steps. So the tokens each tree step gave beyond the
+    bonus are held against those its tree was expected to give (before the step taught the
+    rates anything), and every predicted gain beyond the bonus is scaled by that ratio
+    (`gain_scale`, over recent steps): a draft whose trees give ~1 token is dropped within a
+    few steps, whatever its probabilities say.
+
     The second size. After the first step, one size is measured: the prompt's pass with the
     first tree. Where the target streams its weights, a pass costs their transfer, more than
     `STREAMED` draft passes, and bigger trees cost about as much: the first tree stays until
     its line is drawn. Where a draft pass costs more than that share, a pass's cost may grow
-    with its size (compute), and the second step measures a second size with a small tree.
+    with its size (compute), and the second step is a plain one: a pass over one token, the
+    second size, at no cost against plain decoding, and what a plain step costs, measured.
+    A draft whose passes cost like the target's is dropped at the third step.
 
     Budget 0 is plain decoding (E = 1, no draft pass). Once plain steps in a row have taken
-    `LOOK_EVERY` times what the best tree step would, one tree step looks at the draft's
-    predictions again: looking costs at most about 1 / LOOK_EVERY of the time, however dear the
-    draft (the target's own quantized copy costs what the target does). Every `DEEPEN_EVERY`
-    tree steps whose tree reaches its depth limit, the search goes to the next depth, so that
-    auto can see whether a deeper tree pays.
+    `LOOK_EVERY` times the most the best tree step could lose against a plain step (its seconds
+    less a plain step's: it gives the bonus at least), one tree step looks at the draft's
+    predictions again, and each look that finds nothing doubles the wait for the next: looking
+    costs at most 1 / LOOK_EVERY of the time at first, and less as the run goes, however dear
+    or wrong the draft (the target's own quantized copy costs what the target does). Every
+    `DEEPEN_EVERY` tree steps whose tree reaches its depth limit, the search goes to the next
+    depth, so that auto can see whether a deeper tree pays.
     """
 
     max_depth: int
@@ -73,13 +87,18 @@ class CostModel:
     steps: int = 0
     tree_steps: int = 0
     plain_s: float = 0.0  # seconds of plain steps in a row
+    looks: int = 0  # tree steps chosen only to look again, since a tree last paid
+    # Decayed sums over tree steps of the tokens beyond the bonus: given, and expected
+    extra_given: float = 0.0
+    extra_expected: float = 0.0
     curve: tuple = field(default=(), init=False, repr=False)  # pass_curve's, and its target_s
 
     BUDGETS = tuple(2**k for k in range(11))  # 1 .. 1024: the tree sizes auto considers
     DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
     GROWTH, LOOK_EVERY, DEEPEN_EVERY, PRIOR = 4, 20, 4, 4
-    FIRST_DEPTH = 8  # the first tree's: its gains up to 8 deep, then deeper as it pays
-    STREAMED, PROBE = 100, 4  # draft passes a target pass outlasts when it streams; a probe
+    FIRST_DEPTH = 4  # the first tree's: few passes of a draft not yet timed; deeper as it pays
+    STREAMED = 100  # draft passes a target pass outlasts when the target streams its weights
+    EXTRA_PRIOR = 0.5  # gain_scale starts at 1 as if half a token had come as expected
 
     # ---- the cost ----
 
@@ -131,17 +150,31 @@ class CostModel:
         b = self.bin(logprob)
         return (self.followed[b] + self.PRIOR * math.exp(logprob)) / (self.seen[b] + self.PRIOR)
 
+    def reach(self, tree):
+        """The chance that the target walks to each node of the tree (the root: 1)."""
+        cum, parents = tree.cum_logprob, tree.parents  # (n + 1,): the root first
+        reach = [1.0] * len(cum)
+        for node in range(1, len(cum)):  # parents come before children
+            up = parents[node]
+            reach[node] = reach[up] * self.follow_rate(cum[node] - cum[up])
+        return reach
+
+    @property
+    def gain_scale(self):
+        """Tokens beyond the bonus that recent tree steps gave, over those expected of them."""
+        return (self.extra_given + self.EXTRA_PRIOR) / (self.extra_expected + self.EXTRA_PRIOR)
+
+    def gain(self, choice):
+        """E[tokens] of a (budget, depth): 1 (the bonus) and the rest, as trees have paid."""
+        return 1 + self.gain_scale * (self.gains[choice][0] - 1)
+
     def tree_gains(self, tree, max_depth):
         """E[tokens] and draft passes of each (budget, depth) that a tree searched to max_depth
         can show. The tree of the b best nodes no deeper than d is the first b of them, best
         first; a search for it needs as many draft passes as it is deep. Plain Python: a tree
         is a few hundred nodes, and each torch call costs microseconds (the tests hold this
         against a walk up from every node)."""
-        cum, parents, depth = tree.cum_logprob, tree.parents, tree.depth  # (n + 1,): the root first
-        reach = [1.0] * len(cum)  # the chance that the target walks to each node
-        for node in range(1, len(cum)):  # parents come before children
-            up = parents[node]
-            reach[node] = reach[up] * self.follow_rate(cum[node] - cum[up])
+        cum, depth, reach = tree.cum_logprob, tree.depth, self.reach(tree)  # the root first
         best_first = sorted(range(1, len(cum)), key=cum.__getitem__, reverse=True)  # stable
         gains = {}
         for d in (d for d in self.DEPTHS if d <= max_depth):
@@ -175,6 +208,10 @@ class CostModel:
         self.tree_steps, self.largest = self.tree_steps + 1, max(self.largest, budget)
         self.draft_s = running_mean(self.draft_s, step.draft_s / passes)
         tree, path = step.tree, step.path
+        expected = self.reach(tree)  # before this step teaches the rates: what it was worth
+        decay = 1 - WEIGHT
+        self.extra_given = decay * self.extra_given + len(path)
+        self.extra_expected = decay * self.extra_expected + sum(expected[n] for n in tree.best())
         picked = dict(zip([0, *path], step.tokens))  # at each node reached, the target's pick
         for node, parent in enumerate(tree.parents):  # every child the draft proposed there
             if parent in picked:
@@ -193,22 +230,29 @@ class CostModel:
         # every size would cost the same: stay at the trees run until a second draws the line.
         sizes = sorted(self.target_s)
         largest = max(self.GROWTH * self.largest, sizes[-1] - 1) if sizes[1:] else self.largest
-        for (b, depth), (gain, passes) in self.gains.items():
+        for (b, depth), (_, passes) in self.gains.items():
             if b <= largest:
-                rates[(b, depth)] = gain / self.seconds((b, depth), passes)
+                rates[(b, depth)] = self.gain((b, depth)) / self.seconds((b, depth), passes)
         return rates
+
+    def look_cost(self, look):
+        """The most a step of `look` can lose against a plain step: it gives the bonus at least."""
+        return self.seconds(look, self.gains[look][1]) - self.seconds((0, 0), 0)
 
     def choose(self):
         """This step's (budget, depth)."""
         if not self.gains or self.draft_s is None:  # nothing measured yet
             return self.budget, min(self.FIRST_DEPTH, self.max_depth)
         if len(self.target_s) == 1 and self.STREAMED * self.draft_s > self.t_target(0):
-            return self.PROBE, min(self.PROBE, self.max_depth)  # a second size, cheaply
+            return 0, 0  # a second size: one token's pass, as plain decoding would run it
         rates = self.rates()
-        look = max((choice for choice in rates if choice[0]), key=rates.get, default=None)
-        if look and self.plain_s >= self.LOOK_EVERY * self.seconds(look, self.gains[look][1]):
-            rates.pop((0, 0))  # the best tree step: look at the draft again
         self.budget, self.depth = max(rates, key=rates.get)
+        look = max((choice for choice in rates if choice[0]), key=rates.get, default=None)
+        if self.budget:
+            self.looks = 0
+        elif look and self.plain_s >= self.LOOK_EVERY * 2**self.looks * self.look_cost(look):
+            self.budget, self.depth = look  # the best tree step: look at the draft again
+            self.looks += 1
         deepest = self.gains[(self.budget, self.depth)][1] if self.budget else 0
         reaches_limit = self.depth < self.budget and deepest >= self.depth  # deeper may pay
         if reaches_limit and self.tree_steps % self.DEEPEN_EVERY == 0:  # the next depth's gains
