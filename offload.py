@@ -26,16 +26,21 @@ kept apart. The Hugging Face model runs its own forward; only its list of decode
 replaced by `StreamedLayers`, whose iteration brings each layer in and takes it out again.
 
 Ordering on CUDA, without a host synchronize per layer: a load records a "ready" event on the
-copy stream, and compute waits on it on the device; a release records a "freed" event on the
-compute stream, and the next copy into that slot waits on it. The host blocks only before it
-refills a staging chunk whose copy may still be running, and once at the end of a pass.
+copy stream (quantized: on the dequant stream, after the copies), and compute waits on it on the
+device; a release records a "freed" event on the compute stream, and the next copy into that slot
+waits on it. The host blocks only before it refills a staging chunk whose copy may still be
+running, and once at the end of a pass; only then are the pass's times read off its events.
 """
 
 import concurrent.futures
+import contextlib
 import copy
 import math
+import numbers
 import os
+import shutil
 import time
+import weakref
 from collections import deque, namedtuple
 from dataclasses import dataclass
 from functools import partial
@@ -67,16 +72,27 @@ def page_aligned(nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 class Cpu:
-    """Each "stream" is the thread that issues its work (copy: the reader; compute: the caller),
-    and a thread runs its work in order: an event is done once it is recorded, waits are free."""
+    """Each "stream" is the thread that issues its work (copy and dequant: the reader; compute:
+    the caller), and a thread runs its work in order: an event is done once it is recorded, so
+    it is simply the time it was recorded at, and waits are free."""
 
     staging = None  # slots are host memory: a disk read lands in one directly, not via staging
     device, pinned_bytes = torch.device("cpu"), 0
-    # record(stream), wait_event(stream, event), host_wait(event), close(): nothing to do
-    record = wait_event = host_wait = close = lambda self, *args: None
+    # wait_event(stream, event), host_wait(event), free_host(buffer), close(): nothing to do
+    wait_event = host_wait = free_host = close = lambda self, *args: None
+
+    def record(self, stream: str) -> float:
+        return time.perf_counter()
+
+    def seconds(self, start, end) -> float:
+        """From one recorded event to another, on the device's clock (once both have passed)."""
+        return end - start
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return page_aligned(nbytes, torch.device("cpu"))
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        return page_aligned(nbytes, self.device)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
@@ -84,11 +100,12 @@ class Cpu:
     def launch(self, fn, *args, **kwargs):  # compute: here, now
         return fn(*args, **kwargs)
 
-    convert = launch  # device work on the copy stream, after its copies: here, now
+    convert = launch  # dequantizing, on its own stream after the copies it waits for: here, now
 
 
 class Cuda(Cpu):
-    """A copy stream beside the compute (current) stream, ordered by events, never the host.
+    """A copy stream and a dequant stream beside the compute (current) stream, ordered by events,
+    never the host.
 
     Host memory is page-aligned and registered with cudaHostRegister, pinned byte for byte:
     `pin_memory=True` would round each block up to a power of two (16 GiB for a 12 GiB model).
@@ -99,7 +116,12 @@ class Cuda(Cpu):
 
     def __init__(self, device: torch.device):
         self.device, self.registered, self.pinned_bytes = device, [], 0
-        self.copy_stream = torch.cuda.Stream(device)
+        self.streams = {name: torch.cuda.Stream(device) for name in ("copy", "dequant")}
+
+    def stream(self, name: str) -> torch.cuda.Stream:
+        return (
+            self.streams[name] if name in self.streams else torch.cuda.current_stream(self.device)
+        )
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         buffer = page_aligned(nbytes, torch.device("cpu"))  # (nbytes,)
@@ -109,13 +131,26 @@ class Cuda(Cpu):
         self.pinned_bytes += nbytes
         return buffer
 
-    def stream(self, name: str) -> torch.cuda.Stream:
-        return self.copy_stream if name == "copy" else torch.cuda.current_stream(self.device)
+    def free_host(self, buffer: torch.Tensor) -> None:
+        """Unpin a host buffer, once no copy queued so far can still be reading it."""
+        self.streams["copy"].synchronize()
+        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+        self.registered = [kept for kept in self.registered if kept is not buffer]
+        self.pinned_bytes -= buffer.numel()
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        buffer = page_aligned(nbytes, self.device)  # (nbytes,)
+        for stream in self.streams.values():  # freed, the caching allocator hands this memory
+            buffer.record_stream(stream)  # out again only once their work queued by then has run
+        return buffer
 
     def record(self, stream: str) -> torch.cuda.Event:
-        event = torch.cuda.Event()  # a new one per record: nothing can wait on it unrecorded
+        event = torch.cuda.Event(enable_timing=True)  # new per record: never waited unrecorded
         event.record(self.stream(stream))
         return event
+
+    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        return start.elapsed_time(end) / 1e3
 
     def wait_event(self, stream: str, event: torch.cuda.Event) -> None:
         self.stream(stream).wait_event(event)  # on the device; the host goes on
@@ -124,18 +159,18 @@ class Cuda(Cpu):
         event.synchronize()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with torch.cuda.stream(self.copy_stream):
+        with torch.cuda.stream(self.streams["copy"]):
             dst.copy_(src, non_blocking=True)
 
     def convert(self, fn, *args) -> None:
-        with torch.cuda.stream(self.copy_stream):
+        with torch.cuda.stream(self.streams["dequant"]):
             fn(*args)
 
     def close(self) -> None:
-        self.copy_stream.synchronize()  # no copy may still read what is unregistered here
-        for buffer in self.registered:
-            torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
-        self.registered, self.pinned_bytes = [], 0
+        for buffer in list(self.registered):  # what a storage left pinned (normally nothing)
+            self.free_host(buffer)
+        for stream in self.streams.values():
+            stream.synchronize()  # nothing of ours still runs once the model is gone
 
 
 # ---- storage: where each layer's bytes live, and how they reach a slot ----
@@ -177,7 +212,11 @@ def round_up(nbytes: int) -> int:
 
 
 class Storage:
-    """Where layers' bytes live. `layouts[i]`: what a load of layer i moves into a slot."""
+    """Where layers' bytes live. `layouts[i]`: what a load of layer i moves into a slot.
+
+    `load` queues a layer's way into a slot and returns the event compute waits for; `keep`
+    does it once for a resident layer, into a buffer of `kept_nbytes` that it binds for good.
+    """
 
     layouts: list[Layout]
 
@@ -188,6 +227,11 @@ class Storage:
         """What the decoder layer binds once `slot` holds it: its parameters."""
         return self.layouts[layer].views(slot)
 
+    kept_nbytes, kept_views = slot_nbytes, views  # a resident layer's buffer is a slot
+
+    def keep(self, layer: int, buffer: torch.Tensor, ops):
+        return self.load(layer, buffer, ops)
+
     def close(self) -> None:
         pass
 
@@ -196,9 +240,9 @@ class RamStorage(Storage):
     """All layers in ONE host arena (pinned on CUDA), one region per layer: one copy moves it."""
 
     def __init__(self, layout: Layout, n_layers: int, ops):
-        self.layouts = [layout] * n_layers  # every layer's; whole pages
-        arena = ops.host_buffer(n_layers * layout.nbytes)  # pinned on CUDA: copied without a bounce
-        self.buffers = [arena[i * layout.nbytes :][: layout.nbytes] for i in range(n_layers)]
+        self.layouts, self.ops = [layout] * n_layers, ops  # every layer's layout; whole pages
+        self.arena = ops.host_buffer(n_layers * layout.nbytes)  # pinned on CUDA: no bounce
+        self.buffers = [self.arena[i * layout.nbytes :][: layout.nbytes] for i in range(n_layers)]
 
     def fill(self, ckpt: "files.Checkpoint", shapes: dict, dtype, kind) -> None:
         """Every layer into the arena, quantized as `kind` says: the big read, done once."""
@@ -207,8 +251,15 @@ class RamStorage(Storage):
             for name, tensor in quant.quantize_layer(ckpt.layer(i, shapes), dtype, kind).items():
                 views[name].copy_(tensor)
 
-    def load(self, layer: int, slot: torch.Tensor, ops) -> None:
+    def load(self, layer: int, slot: torch.Tensor, ops):
         ops.copy(slot[: self.layouts[layer].nbytes], self.buffers[layer])
+        return ops.record("copy")
+
+    def close(self) -> None:
+        """Unpin the arena (once its copies have run) and let it go: nothing reads it again."""
+        if self.buffers:
+            self.ops.free_host(self.arena)
+            self.arena, self.buffers = None, []
 
 
 @dataclass
@@ -253,16 +304,27 @@ class DiskStorage(Storage):
     is read into again only after its last copy finished, the one wait that blocks the host.
     """
 
-    def __init__(self, layers: list[dict[str, files.Entry]], ops):
+    def __init__(self, layers: list[dict[str, files.Entry]], ops, nbytes: int | None = None):
         self.layouts, self.reads = zip(*(plan_reads(entries) for entries in layers), strict=True)
-        paths = {read.path for reads in self.reads for read in reads}
-        self.fds = {path: files.open_direct(path) for path in paths}  # closed in close()
-        count, self.chunk_nbytes = ops.staging or (0, 0)
-        self.chunks = [ops.host_buffer(self.chunk_nbytes) for _ in range(count)]  # (chunk,) each
+        self.nbytes = nbytes or super().slot_nbytes()  # a slot as planned, before the files were
+        assert super().slot_nbytes() <= self.nbytes, "a layer's reads outgrow the planned slot"
+        self.ops, self.fds, self.chunks = ops, {}, []  # what close() gives back, however far
+        try:  # __init__ got before failing
+            for path in {read.path for reads in self.reads for read in reads}:
+                self.fds[path] = files.open_direct(path)
+            count, self.chunk_nbytes = ops.staging or (0, 0)
+            for _ in range(count):
+                self.chunks.append(ops.host_buffer(self.chunk_nbytes))  # (chunk,)
+        except BaseException:
+            self.close()
+            raise
         self.copied = [None] * count  # each chunk's last copy, as an event on the copy stream
         self.next = 0  # the chunk the next read lands in
 
-    def load(self, layer: int, slot: torch.Tensor, ops) -> None:
+    def slot_nbytes(self) -> int:
+        return self.nbytes
+
+    def load(self, layer: int, slot: torch.Tensor, ops):
         """Read a layer into `slot` (page-aligned): straight in, or chunk by chunk via staging."""
         for read in self.reads[layer]:
             fd, rounded = self.fds[read.path], round_up(read.nbytes)
@@ -280,34 +342,58 @@ class DiskStorage(Storage):
                 target = slot[read.buffer_offset + start :][:size]
                 ops.copy(target, chunk)  # on the copy stream, while the next chunk is read
                 self.copied[k] = ops.record("copy")
+        return ops.record("copy")
 
     def close(self) -> None:
         for fd in self.fds.values():
             os.close(fd)
-        self.fds = {}
+        for chunk in self.chunks:
+            self.ops.free_host(chunk)
+        self.fds, self.chunks = {}, []
 
 
 class Dequantizing(Storage):
     """Quantized layers (quantize.py), kept by the ram or ssd storage it wraps.
 
     A slot holds the bytes that moved (`layouts`, what PassStats counts), then, from `start`, the
-    compute-dtype weights they are dequantized into on the copy stream: the layer's "ready" event
-    covers both, so compute waits for nothing new. Norms and biases move as they are.
+    compute-dtype weights they are dequantized into on a stream of its own: the copy stream goes
+    on with the next layer meanwhile, and the layer's "ready" event is the dequantizing's. Norms
+    and biases move as they are. A resident layer keeps only what compute reads (`plain`).
     """
 
     def __init__(self, storage: Storage, shapes: dict, dtype: torch.dtype, kind: str):
         self.storage, self.layouts, self.kind = storage, storage.layouts, kind
         self.start = storage.slot_nbytes()  # a whole number of pages
-        weights = quant.stored_layer(shapes, dtype, None)  # meta tensors in the compute dtype
-        self.weights = pack({n: w for n, w in weights.items() if quant.is_weight(n)})
+        plain = quant.stored_layer(shapes, dtype, None)  # meta tensors in the compute dtype
+        self.weights = pack({n: w for n, w in plain.items() if quant.is_weight(n)})
+        self.plain = pack(plain)  # the layer as the in-memory model holds it
 
     def slot_nbytes(self) -> int:
         return self.start + self.weights.nbytes
 
-    def load(self, layer: int, slot: torch.Tensor, ops) -> None:
-        self.storage.load(layer, slot, ops)
+    def load(self, layer: int, slot: torch.Tensor, ops):
+        moved = self.storage.load(layer, slot, ops)
+        ops.wait_event("dequant", moved)
         weights = self.weights.views(slot[self.start :])
         ops.convert(quant.dequantize_layer, self.layouts[layer].views(slot), weights, self.kind)
+        return ops.record("dequant")
+
+    def kept_nbytes(self) -> int:
+        return self.plain.nbytes
+
+    def kept_views(self, layer: int, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.plain.views(buffer)
+
+    def keep(self, layer: int, buffer: torch.Tensor, ops):
+        """Through a slot of its own, then only what compute reads into `buffer` (device to
+        device); the slot goes once those copies have run."""
+        slot = ops.device_buffer(self.slot_nbytes())  # (slot,)
+        ops.wait_event("copy", self.load(layer, slot, ops))
+        kept = self.plain.views(buffer)
+        for name, tensor in self.views(layer, slot).items():
+            ops.copy(kept[name], tensor)
+        ops.host_wait(ops.record("copy"))
+        return ops.record("copy")
 
     def views(self, layer: int, slot: torch.Tensor) -> dict[str, torch.Tensor]:
         """The decoder layer's parameters: norms and biases as moved, weights dequantized."""
@@ -322,8 +408,8 @@ class Dequantizing(Storage):
 # ---- the ring: what is on the device right now ----
 
 
-# A layer on its way: its slot, and a future whose result is (ready event, reader seconds), set
-# once the reader has issued all of the load's work.
+# A layer on its way: its slot, and a future whose result is (started, ready): events that mark
+# the load's start on the copy stream and its end, set once the reader has issued all its work.
 Load = namedtuple("Load", "layer slot issued")
 
 
@@ -337,13 +423,12 @@ class LayerRing:
 
     def __init__(self, storage, buffers: int, n_layers: int, n_resident: int, ops):
         self.storage, self.ops = storage, ops
-        nbytes = storage.slot_nbytes()
         # resident layers spread evenly through the pass: while one computes, the next streamed
         # layer keeps loading, where a block of them would leave the stream idle that long
         resident = [(j + 1) * n_layers // n_resident - 1 for j in range(n_resident)]
-        self.kept = {i: page_aligned(nbytes, ops.device) for i in resident}  # (nbytes,) each
+        self.kept = {i: ops.device_buffer(storage.kept_nbytes()) for i in resident}  # (kept,)
         self.order = [i for i in range(n_layers) if i not in self.kept]  # the streamed layers
-        self.slots = [page_aligned(nbytes, ops.device) for _ in self.order[:buffers]]  # (nbytes,)
+        self.slots = [ops.device_buffer(storage.slot_nbytes()) for _ in self.order[:buffers]]
         self.freed = [None] * len(self.slots)  # each slot's last release, an event on compute
         self.lookahead = max(0, len(self.slots) - 1)  # layers loading while one computes
         # what to prefetch as each streamed layer starts: the streamed layer `lookahead` further on,
@@ -371,26 +456,25 @@ class LayerRing:
         issued = self.reader.submit(self._load, layer, slot, self.freed[slot])
         self.queue.append(Load(layer, slot, issued))
 
-    def _load(self, layer: int, slot: int, freed) -> tuple[object, float]:
+    def _load(self, layer: int, slot: int, freed) -> tuple[object, object]:
         """On the reader thread, which issues the copy stream's work: one layer into its slot."""
-        started = time.perf_counter()
         if freed is not None:  # the slot's last occupant has run: only then overwrite it
             self.ops.wait_event("copy", freed)
-        self.storage.load(layer, self.slots[slot], self.ops)
-        return self.ops.record("copy"), time.perf_counter() - started
+        started = self.ops.record("copy")
+        return started, self.storage.load(layer, self.slots[slot], self.ops)
 
-    def wait(self, layer: int) -> tuple[torch.Tensor, float]:
-        """Compute waits (on the device) until `layer` has landed; its slot, the reader's seconds.
+    def wait(self, layer: int) -> tuple[torch.Tensor, tuple]:
+        """Compute waits (on the device) until `layer` has landed; its slot, (started, ready).
 
         The host first waits for the reader to have issued the load: an event is waited on only
         once it has been recorded.
         """
         load = self.queue.popleft()
         assert load.layer == layer, f"the ring holds layer {load.layer} next, not {layer}"
-        ready, seconds = load.issued.result()
+        started, ready = load.issued.result()
         self.ops.wait_event("compute", ready)
         self.in_use = load
-        return self.slots[load.slot], seconds
+        return self.slots[load.slot], (started, ready)
 
     def release(self) -> None:
         """The slot may be refilled once the compute queued so far has run (an exception too)."""
@@ -404,6 +488,8 @@ class LayerRing:
         self.queue.clear()
 
     def close(self) -> None:
+        """Everything given back, in order: loads issued, then the host memory they read (once
+        their copies ran), then the streams; the slots go after, with the ring."""
         self.drain()
         self.reader.shutdown()
         self.storage.close()
@@ -419,9 +505,10 @@ class PassStats:
 
     resident_layers: int = 0  # decoder layers on the device for good: never moved
     bytes_moved: int = 0  # layer bytes that reached the device: the streamed layers'
-    load_s: float = 0.0  # reader-thread seconds issuing them (on CPU: moving them), overlapped
-    wait_s: float = 0.0  # seconds the pass sat waiting for weights
+    load_s: float = 0.0  # seconds from each load's start to its layer ready, on the device's
+    wait_s: float = 0.0  # seconds compute sat waiting for weights, on the device's clock
     pass_s: float = 0.0  # wall seconds of the whole pass, device work included
+    # (CUDA: events on its streams; on the CPU the host's clock, where the work runs)
 
     @property
     def compute_s(self) -> float:  # everything that was not waiting
@@ -430,6 +517,15 @@ class PassStats:
     @property
     def gb_per_s(self) -> float:
         return self.bytes_moved / self.pass_s / 1e9 if self.pass_s else 0.0
+
+    def summary(self, n_layers: int) -> str:
+        """One line: the layers kept, and what the pass moved and waited for."""
+        rate = f" ({self.gb_per_s:.2f} GB/s)" if self.bytes_moved > 1e8 else ""
+        return (
+            f"{self.resident_layers} of {n_layers} layers resident; the last target pass moved "
+            f"{self.bytes_moved / 1e6:,.1f} MB in {self.pass_s:.3f}s{rate}, {self.wait_s:.3f}s "
+            "of it waiting for weights"
+        )
 
 
 def bind(layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -452,6 +548,7 @@ class StreamedLayers:
         # between runs a decoder layer rests on meta tensors: shapes, no bytes
         self.unbound = [{n: p.data for n, p in layer.named_parameters()} for layer in layers]
         self.stats = PassStats()  # of the pass now running
+        self.marks = []  # per streamed layer: (wait started, wait ended, load started, ready)
 
     def __getitem__(self, index: slice) -> "StreamedLayers":
         streamed = copy.copy(self)  # shares the layers, the ring and this pass's stats
@@ -467,13 +564,15 @@ class StreamedLayers:
                 # during this pass's LM head.
                 ring.prefetch(ring.after[i])
 
-                # wait for this one: the reader has issued it and compute waits for it to land
-                waiting = time.perf_counter()
-                slot, load_s = ring.wait(i)
-                stats.wait_s += time.perf_counter() - waiting
-                stats.load_s += load_s
+                # wait for this one: the reader has issued it and compute waits for it to land;
+                # events on the compute stream around that wait time it as the device sees it
+                waiting = ring.ops.record("compute")
+                slot, load = ring.wait(i)
+                self.marks.append((waiting, ring.ops.record("compute"), *load))
                 stats.bytes_moved += self.layouts[i].nbytes
-                bind(self.layers[i], ring.storage.views(i, slot))
+                # bound in the compute stream's order: a device that queues a whole pass ahead
+                # runs each layer on what was bound when its kernels were queued
+                ring.ops.launch(bind, self.layers[i], ring.storage.views(i, slot))
 
             # compute: the Hugging Face decoder layer as it is, called by the model's forward
             yield partial(ring.ops.launch, self.layers[i])
@@ -484,7 +583,8 @@ class StreamedLayers:
     def release(self) -> None:
         """Unbind the layer in use, if any; also what an exception mid-pass leaves behind."""
         if self.ring.in_use is not None:
-            bind(self.layers[self.ring.in_use.layer], self.unbound[self.ring.in_use.layer])
+            layer = self.ring.in_use.layer
+            self.ring.ops.launch(bind, self.layers[layer], self.unbound[layer])
             self.ring.release()
 
 
@@ -496,44 +596,68 @@ class OffloadedCausalLM(nn.Module):
         self.layers = hf_model.model.layers  # their parameters: meta, or views of a slot
         del hf_model.model.layers  # a module list cannot be replaced by a plain object in place
         self.ring = LayerRing(storage, buffers, len(self.layers), n_resident, ops)
+        # however the model goes (close, a `with` block, dropped, the interpreter's exit): the
+        # ring's thread, files, pinned memory and streams are given back, once
+        self.finalizer = weakref.finalize(self, self.ring.close)
         self.streamed = StreamedLayers(self.layers, self.ring, storage.layouts)
         for i, buffer in self.ring.kept.items():  # resident: loaded and bound once, for good
-            storage.load(i, buffer, ops)
-            bind(self.layers[i], storage.views(i, buffer))
-        ops.host_wait(ops.record("copy"))  # landed before any compute may read them
+            ops.host_wait(storage.keep(i, buffer, ops))  # landed before any compute reads it
+            bind(self.layers[i], storage.kept_views(i, buffer))
+        if not self.ring.order:  # nothing streams (a self-draft): the host copy is read no more
+            storage.close()
         hf_model.model.layers = self.streamed
         self.hf = hf_model  # all on the device, except the decoder layers' weights
         self.layouts = storage.layouts
         self.converted_folder: Path | None = None  # set by from_pretrained
-        self.stats, self.closed = PassStats(resident_layers=len(self.ring.kept)), False
+        self.stats = PassStats(resident_layers=len(self.ring.kept))
 
     config = property(lambda self: self.hf.config)
     generation_config = property(lambda self: self.hf.generation_config)
     device = property(lambda self: self.hf.lm_head.weight.device)
     dtype = property(lambda self: self.hf.lm_head.weight.dtype)
     pinned_bytes = property(lambda self: self.ring.ops.pinned_bytes)  # host memory pinned (CUDA)
+    closed = property(lambda self: not self.finalizer.alive)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, **kwargs):  # (batch, q); as the wrapped model's
         if self.closed:  # its reader thread and files are gone
             raise OffloadError("this offloaded model was closed; load it again to use it")
-        started = time.perf_counter()
+        started, ops = time.perf_counter(), self.ring.ops
         # filled in as the pass goes
         self.stats = self.streamed.stats = PassStats(resident_layers=len(self.ring.kept))
+        self.streamed.marks.clear()
         self.ring.start_pass()
         try:
             out = self.hf(input_ids.to(self.device), **kwargs)  # logits (batch, q, vocab)
         finally:
             self.streamed.release()  # after an exception, the layer it left bound
-        # one host wait per pass, not per layer: pass_s then counts the device's work too
-        self.ring.ops.host_wait(self.ring.ops.record("compute"))
+        # one host wait per pass, not per layer: pass_s then counts the device's work too, and
+        # every event of the pass has passed, so the device's own times can be read
+        ops.host_wait(ops.record("compute"))
         self.stats.pass_s = time.perf_counter() - started
+        for waiting, waited, loading, ready in self.streamed.marks:
+            self.stats.wait_s += ops.seconds(waiting, waited)
+            self.stats.load_s += ops.seconds(loading, ready)
         return out
 
     def close(self) -> None:
-        if not self.closed:
-            self.ring.close()
-        self.closed = True
+        self.finalizer()  # a second call does nothing
+
+    def converted_copy(self, remove: bool = False) -> str | None:
+        """What became of the ssd tier's converted copy of the checkpoint, in a line for the
+        user (None: the checkpoint was read in place); with remove, the copy is deleted."""
+        folder = self.converted_folder
+        if folder is None or not folder.exists():
+            return None
+        if not remove:
+            size = sum(f.stat().st_size for f in folder.iterdir()) / 1e9
+            return f"a converted copy ({size:.2f} GB) stays in {folder} for the next run"
+        try:
+            shutil.rmtree(folder)
+        except OSError as error:
+            why = f"{error.strerror or error}: {error.filename}"
+            raise OffloadError(f"cannot remove the converted copy {folder} ({why})") from None
+        return f"removed the converted copy {folder}"
 
     def __enter__(self) -> Self:
         return self
@@ -578,52 +702,85 @@ def from_pretrained(
         raise OffloadError(f"buffers must be an integer of at least 1, not {buffers!r}")
     if quantize not in (None, *quant.KINDS):
         raise OffloadError(f"quantize must be None, 'int8' or 'int4', not {quantize!r}")
+    number = isinstance(device_memory, numbers.Real) and not isinstance(device_memory, bool)
+    if device_memory is not None and not (number and device_memory >= 0):  # NaN fails too
+        raise OffloadError(f"device_memory must be a number of bytes, not {device_memory!r}")
+    whole = isinstance(context, numbers.Integral) and not isinstance(context, bool)
+    if context is not None and not (whole and context > 0):
+        raise OffloadError(f"context must be a positive number of tokens, not {context!r}")
     ops = device  # the device's operations: Cpu, Cuda, or a test's fake
     if not isinstance(device, Cpu):
         device = models.as_device(device)
         ops = Cuda(device) if device.type == "cuda" else Cpu()
     opened = models.open_model(name_or_path)  # refused here iff in memory too
-    config, ckpt = opened.config, opened.checkpoint
+    ckpt, n_layers = opened.checkpoint, opened.config.num_hidden_layers
     dtype = models.as_dtype(dtype) or ckpt.dtype
     models.check_dtype_runs(ops.device, dtype)
     # the model on meta costs nothing; only the parts that stay on the device get real tensors
     hf = opened.skeleton(dtype)
     shapes = ckpt.check_layers(hf, quantize)  # what each decoder layer holds, the same for all
+
+    # sizes from the config and the headers alone: the budget is refused or met before anything
+    # is read, pinned or converted
+    stored = quant.stored_layer(shapes, dtype, quantize)  # meta: what storage keeps of a layer
+    moved = pack(stored).nbytes  # ram: a layer's region of the arena
+    if mode == "ssd":  # read as its file holds it: a converted copy, or the checkpoint in place
+        # a copy is one file, its tensors end to end after a header that ends in the first page
+        moved = round_up(sum(t.nbytes for t in stored.values())) + PAGE
+        in_place = [{n: ckpt.entries.get(f"model.layers.{i}.{n}") for n in shapes}
+                    for i in range(n_layers)]  # fmt: skip
+        if quantize is None and all(e for layer in in_place for e in layer.values()):
+            moved = max([moved, *(plan_reads(layer)[0].nbytes for layer in in_place)])
+    n_resident = 0
+    if device_memory is not None:
+        slot, kept = moved, moved  # a slot; a resident layer's buffer
+        if quantize is not None:  # a slot also holds the dequantized weights; resident: only them
+            plain = quant.stored_layer(shapes, dtype, None)
+            slot += pack({n: w for n, w in plain.items() if quant.is_weight(n)}).nbytes
+            kept = pack(plain).nbytes
+        n_resident = count_resident(hf, dtype, device_memory, context, buffers, slot, kept)
     models.load_weights(opened, hf, ops.device, dtype, layers=False)
 
-    converted, n_layers = None, config.num_hidden_layers
-    if mode == "ram":  # the arena, filled once the budget below is known to hold
-        ram = storage = RamStorage(pack(quant.stored_layer(shapes, dtype, quantize)), n_layers, ops)
-    else:  # the checkpoint's own files where they fit, else a converted copy
-        layers, converted = files.disk_layers(ckpt, shapes, n_layers, dtype, quantize, offload_dir)
-        storage = DiskStorage(layers, ops)
-    if quantize is not None:  # a slot also holds the layer's dequantized weights
-        storage = Dequantizing(storage, shapes, dtype, quantize)
-    n_resident = 0
-    if device_memory is not None:  # on the device anyway: the parts above, and keys and values
-        # of every layer for `context` tokens; then a layer's slot each for the ring and the
-        # resident layers. The ring needs `buffers` slots, unless no layer streams at all.
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = (
-            getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        )
-        kv = 2 * n_layers * heads * head_dim * dtype.itemsize  # per token
-        positions = context or config.max_position_embeddings  # the KV cache's
-        fixed = kv * positions
-        outside = (p for name, p in hf.named_parameters() if not name.startswith("model.layers."))
-        fixed += sum(p.nbytes for p in outside)
-        slots = (device_memory - fixed) / storage.slot_nbytes()  # how many fit; inf: all
-        n_resident = n_layers if slots >= n_layers else int(slots) - buffers
-        if n_resident < 0:
-            raise OffloadError(
-                f"device_memory {device_memory / 1e9:.3f} GB: the head and {positions} positions"
-                f" of KV cache take {fixed / 1e9:.3f} GB, leaving too little for {buffers} slots"
+    converted = None
+    with contextlib.ExitStack() as undo:  # failing from here on, give back what was taken
+        undo.callback(ops.close)
+        if mode == "ram":  # every layer into one arena: the big read
+            storage = RamStorage(pack(stored), n_layers, ops)
+            undo.callback(storage.close)
+            storage.fill(ckpt, shapes, dtype, quantize)
+        else:  # the checkpoint's own files where they fit, else a converted copy
+            layers, converted = files.disk_layers(
+                ckpt, shapes, n_layers, dtype, quantize, offload_dir
             )
-    if mode == "ram":
-        ram.fill(ckpt, shapes, dtype, quantize)
-    model = OffloadedCausalLM(hf, storage, buffers, ops, n_resident)
+            storage = DiskStorage(layers, ops, moved)
+            undo.callback(storage.close)
+        if quantize is not None:  # a slot also holds the layer's dequantized weights
+            storage = Dequantizing(storage, shapes, dtype, quantize)
+        model = OffloadedCausalLM(hf, storage, buffers, ops, n_resident)
+        undo.pop_all()  # the model's own now: its close() or finalizer gives them back
     model.converted_folder = converted
     return model
+
+
+def count_resident(hf, dtype, device_memory, context, buffers, slot: int, kept: int) -> int:
+    """How many decoder layers stay on the device: the most k whose buffers (`kept` bytes each)
+    and the ring's min(buffers, n - k) slots fit in `device_memory` beside what is on the device
+    anyway: the parts outside the decoder layers, and keys and values of every layer for
+    `context` tokens (None: the config's max positions)."""
+    config, n_layers = hf.config, hf.config.num_hidden_layers
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    positions = context or config.max_position_embeddings  # the KV cache's
+    fixed = 2 * n_layers * heads * head_dim * dtype.itemsize * positions
+    fixed += sum(p.nbytes for n, p in hf.named_parameters() if not n.startswith("model.layers."))
+    fits = [k for k in range(n_layers + 1)
+            if fixed + k * kept + min(buffers, n_layers - k) * slot <= device_memory]  # fmt: skip
+    if not fits:
+        raise OffloadError(
+            f"device_memory {device_memory / 1e9:.3f} GB: the head and {positions} positions"
+            f" of KV cache take {fixed / 1e9:.3f} GB, leaving too little for {buffers} slots"
+        )
+    return max(fits)
 
 
 def self_draft(target, kind: str, **options) -> OffloadedCausalLM:
@@ -631,9 +788,9 @@ def self_draft(target, kind: str, **options) -> OffloadedCausalLM:
     tokenizer by construction and no second checkpoint. Every layer resident (nothing streams);
     `target` a folder, hub id or models.Opened, `options` as from_pretrained's (device, dtype).
 
-    Each layer's buffer holds its weights dequantized into `dtype` beside the quantized bytes,
-    and the matmuls run on those (no int8 / int4 kernels here): it computes exactly the quantized
-    model, but holds more than the full model's bytes on the device, not a quarter of them.
+    Each layer's buffer holds its weights dequantized into `dtype`, and the matmuls run on those
+    (no int8 / int4 kernels here): it computes exactly the quantized model, but holds the full
+    model's bytes on the device, not a quarter of them. Once loaded, its host copy is let go.
     """
     if kind not in quant.KINDS:
         raise OffloadError(f"a self-draft is 'int8' or 'int4', not {kind!r}")

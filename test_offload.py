@@ -10,12 +10,14 @@ are late-running worker threads; a last section runs only where CUDA is availabl
 import contextlib
 import copy
 import errno
+import math
 import os
 import random
 import tempfile
 import threading
 import time
 import unittest.mock
+import weakref
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -87,11 +89,20 @@ def device_sizes(folder, oracle, options):
     return sum(p.nbytes for p in outside) + kv, slot
 
 
+def kept_size(oracle, options, slot):
+    """Bytes of a resident layer's buffer: a slot; quantized, only what compute reads, the
+    in-memory model's layer (each tensor on whole pages)."""
+    if not options.get("quantize"):
+        return slot
+    return sum(offload.round_up(p.nbytes) for p in oracle.model.layers[0].parameters())
+
+
 def memory_for(resident, folder, oracle, options):
     """A device_memory that holds `resident` layers of their own and the ring's slots."""
     fixed, slot = device_sizes(folder, oracle, options)
     n, buffers = oracle.config.num_hidden_layers, options.get("buffers", 2)
-    return {"device_memory": fixed + (resident + min(buffers, n - resident)) * slot}
+    kept = kept_size(oracle, options, slot)
+    return {"device_memory": fixed + resident * kept + min(buffers, n - resident) * slot}
 
 
 def count_bytes_moved(model, stack):
@@ -108,8 +119,9 @@ def count_bytes_moved(model, stack):
 
     def counted(layer, slot, ops):
         into_slot.clear()
-        load(layer, slot, ops)
+        ready = load(layer, slot, ops)
         loads.append((layer, sum(into_slot)))
+        return ready
 
     storage.load = counted
     stack.enter_context(unittest.mock.patch.object(checkpoint, "pread_into", read))
@@ -185,18 +197,22 @@ def test_resident_layers_logits_and_bytes_moved(
     )
 
 
+@pytest.mark.parametrize("kind", [None, "int8"])
 @pytest.mark.parametrize("mode", ["ram", "ssd"])
 @pytest.mark.parametrize("buffers", [1, 2, 3])
-def test_device_memory_keeps_the_layers_that_fit(tmp_path, mode, buffers):
+def test_device_memory_keeps_the_layers_that_fit(tmp_path, mode, buffers, kind):
     """Around every whole number of slots: the resident layers are the most k whose own buffers
     and the ring's min(buffers, 5 - k) slots fit (counted plainly), spread through the pass;
-    where not even the ring fits, a one-line error before any layer is read."""
+    where not even the ring fits, a one-line error before any layer is read. A resident
+    quantized layer holds only what compute reads: the in-memory layer's bytes."""
     oracle = save_model(tmp_path / "model", tiny_config("llama", layers=5))
     options = {"mode": mode, "device": "cpu", "buffers": buffers, "context": CONTEXT}
+    options |= {"quantize": kind, "offload_dir": tmp_path}
     fixed, slot = device_sizes(tmp_path / "model", oracle, options)
+    kept = kept_size(oracle, options, slot)
     for n_slots in range(7):
         for memory in (fixed + n_slots * slot - 1, fixed + n_slots * slot):
-            fits = [k for k in range(6) if fixed + (k + min(buffers, 5 - k)) * slot <= memory]
+            fits = [k for k in range(6) if fixed + k * kept + min(buffers, 5 - k) * slot <= memory]
             if not fits:
                 with pytest.raises(offload.OffloadError, match="too little for") as caught:
                     offload.from_pretrained(tmp_path / "model", **options, device_memory=memory)
@@ -210,6 +226,7 @@ def test_device_memory_keeps_the_layers_that_fit(tmp_path, mode, buffers):
                 runs = [b - a - 1 for a, b in zip(edges, edges[1:])]
                 assert not runs or max(runs) - min(runs) <= 1
                 assert len(m.ring.slots) == min(buffers, 5 - max(fits))
+                assert all(buffer.numel() == kept for buffer in m.ring.kept.values())
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -289,6 +306,39 @@ def test_filesystem_without_o_direct(checkpoints, monkeypatch):
     ids = torch.randint(97, (1, 7), generator=torch.Generator().manual_seed(8))
     with offload.from_pretrained(folder, mode="ssd", device="cpu") as model:
         torch.testing.assert_close(model(ids).logits, oracle(ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_o_direct_read_errors_fall_back_to_buffered_reads(checkpoints, monkeypatch):
+    """A filesystem that takes O_DIRECT at open and then refuses the read (EINVAL): that file
+    is read through the page cache from then on, same logits; any other read error is one
+    line naming the file."""
+    import fcntl
+
+    real_preadv, refused = os.preadv, []
+
+    def preadv(fd, buffers, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
+            refused.append(fd)
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    folder, oracle = checkpoints["llama"]
+    ids = torch.randint(97, (1, 7), generator=torch.Generator().manual_seed(8))
+    with offload.from_pretrained(folder, mode="ssd", device="cpu") as model:
+        torch.testing.assert_close(model(ids).logits, oracle(ids).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(ids).logits, oracle(ids).logits, rtol=1e-5, atol=1e-5)
+    if not refused:
+        pytest.skip("this filesystem refuses O_DIRECT at open already")
+    assert len(refused) == len(set(refused))  # each file refused once, then read buffered
+
+    def broken(fd, buffers, offset):
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "preadv", broken)
+    with pytest.raises(offload.OffloadError, match="cannot read .*: Input/output error") as e:
+        offload.from_pretrained(folder, mode="ssd", device="cpu")
+    assert "\n" not in str(e.value)
 
 
 # ---- conversion: a per-layer offload folder when the checkpoint cannot be read as it is ----
@@ -436,7 +486,8 @@ def test_planned_reads_give_what_safetensors_loads(tensors, data):
         entries = checkpoint.read_header(path)
         storage = offload.DiskStorage([{name: entries[name] for name in wanted}], offload.Cpu())
         slot = offload.page_aligned(storage.layouts[0].nbytes, torch.device("cpu"))  # as the ring
-        got = storage.layouts[0].views((storage.load(0, slot, offload.Cpu()) or slot))
+        storage.load(0, slot, offload.Cpu())
+        got = storage.layouts[0].views(slot)
         storage.close()
         expected = load_file(path)
     assert len(storage.reads[0]) <= len(wanted)
@@ -489,22 +540,35 @@ def test_streamed_layers_never_exceed_buffers(tmp_path, buffers):
 class FakeEvent:
     def __init__(self):
         self.done = threading.Event()  # set when its stream reaches it
+        self.time = None  # and when that was
 
 
 class FakeDevice(offload.Cpu):
-    """Two "streams" as worker threads that run their work in order, each item after a random
-    delay; slots count as device memory, so disk reads pass through staging chunks. Only the
-    ring's events keep copy and compute apart here: a missing wait shows up as a check below
-    failing (kept in `errors`, since a worker thread cannot fail the test itself).
+    """Three "streams" (copy, dequant, compute) as worker threads that run their work in order,
+    each item after a random delay; slots count as device memory, so disk reads pass through
+    staging chunks. As on CUDA, the host queues a layer's compute and goes on (a whole pass
+    ahead: only the last layer's output is waited for, since the host reads it), copies come
+    from pinned host memory or device buffers, and a buffer may not go (freed, unpinned) while a
+    copy into or out of it is pending. Only the ring's events keep the streams apart here: a
+    missing wait shows up as a check below failing (kept in `errors`, since a worker thread
+    cannot fail the test itself).
     """
 
-    def __init__(self, seed: int, staging: tuple[int, int], oracle: torch.nn.Module):
+    def __init__(self, seed, staging, oracle: torch.nn.Module, fail_at=None, copy_s=0.0):
         self.staging, self.random, self.errors = staging, random.Random(seed), []
+        # each stream's own clock, which its work moves on (a copy: copy_s) and waits set forward
+        self.clock, self.copy_s = Counter(), copy_s
         self.expected = oracle.state_dict()  # what each layer's weights must read
-        self.streams = {name: ThreadPoolExecutor(1) for name in ("copy", "compute")}
+        self.n_layers = oracle.config.num_hidden_layers
+        self.fail_at = fail_at  # the layer whose first launch fails on the host (out of memory)
+        self.streams = {name: ThreadPoolExecutor(1) for name in ("copy", "dequant", "compute")}
         self.reading = Counter()  # device buffer (a ring slot or a resident layer's) -> computes
         self.copied = Counter()  # device buffer -> copies run into it
+        self.pending = Counter()  # buffer -> copies into or out of it not yet run
+        self.pinned = {}  # host buffers registered, by their storage: -> bytes
+        self.on_device = set()  # device buffers alive, by their storage
         self.host_waits = 0  # times the host blocked on the device
+        self.closed = False
 
     def delay(self) -> None:
         time.sleep(self.random.uniform(0, 0.002))
@@ -514,17 +578,54 @@ class FakeDevice(offload.Cpu):
             self.errors.append(message)
 
     def slot_of(self, tensor: torch.Tensor) -> int:
-        """The device buffer a view lies in (each is one allocation)."""
+        """The buffer a view lies in (each is one allocation)."""
         return tensor.untyped_storage().data_ptr()
+
+    pinned_bytes = property(lambda self: sum(self.pinned.values()))
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        buffer = offload.page_aligned(nbytes, torch.device("cpu"))
+        self.pinned[self.slot_of(buffer)] = nbytes
+        return buffer
+
+    def free_host(self, buffer: torch.Tensor) -> None:
+        self.streams["copy"].submit(lambda: None).result()  # as cudaHostUnregister after a sync
+        self.check(self.pending[self.slot_of(buffer)] == 0, "unpinned while a copy reads it")
+        self.pinned.pop(self.slot_of(buffer))
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        buffer = offload.page_aligned(nbytes, torch.device("cpu"))
+        where = self.slot_of(buffer)
+        self.on_device.add(where)
+        weakref.finalize(buffer, self.free_device, where)  # the allocator's view: this one owns it
+        return buffer
+
+    def free_device(self, where: int) -> None:
+        self.check(self.pending[where] == 0, "a device buffer freed while a copy is pending")
+        self.on_device.discard(where)
 
     def record(self, stream: str) -> FakeEvent:
         event = FakeEvent()  # recorded now, done when the stream gets there
-        self.streams[stream].submit(event.done.set)
+
+        def reached():
+            event.time = self.clock[stream]
+            event.done.set()
+
+        self.streams[stream].submit(reached)
         return event
+
+    def seconds(self, start: FakeEvent, end: FakeEvent) -> float:
+        self.check(start.done.is_set() and end.done.is_set(), "timed an event not yet reached")
+        return end.time - start.time
 
     def wait_event(self, stream: str, event) -> None:
         self.check(isinstance(event, FakeEvent), f"{stream} waits on {event!r}, never recorded")
-        self.streams[stream].submit(event.done.wait)
+
+        def wait():
+            event.done.wait()
+            self.clock[stream] = max(self.clock[stream], event.time)
+
+        self.streams[stream].submit(wait)
 
     def host_wait(self, event) -> None:
         self.host_waits += 1
@@ -533,19 +634,28 @@ class FakeDevice(offload.Cpu):
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         issued = src.clone()  # what the staging chunk holds when the copy is issued
+        ends = self.slot_of(dst), self.slot_of(src)
+        self.check(
+            ends[1] in self.pinned or ends[1] in self.on_device, "a copy from unpinned memory"
+        )
+        self.pending.update(ends)
 
         def run():
             self.delay()
-            slot = self.slot_of(dst)
-            self.copied[slot] += 1
-            self.check(self.reading[slot] == 0, "a copy into a slot while a layer computes on it")
-            self.check(torch.equal(src, issued), "a staging chunk overwritten before its copy")
+            self.copied[ends[0]] += 1
+            self.check(
+                self.reading[ends[0]] == 0, "a copy into a slot while a layer computes on it"
+            )
+            if ends[1] in self.pinned:  # host memory holds, when issued, what is to be copied
+                self.check(torch.equal(src, issued), "a staging chunk overwritten before its copy")
             dst.copy_(src)
+            self.clock["copy"] += self.copy_s
+            self.pending.subtract(ends)
 
         self.streams["copy"].submit(run)
 
     def convert(self, fn, *args) -> None:
-        """Dequantizing (fn(stored, weights, kind)) on the copy stream, into a slot's weights."""
+        """Dequantizing (fn(stored, weights, kind)) on its stream, into a slot's weights."""
 
         def run():
             self.delay()
@@ -553,40 +663,52 @@ class FakeDevice(offload.Cpu):
             self.check(self.reading[slot] == 0, "dequantizing into a slot a layer computes on")
             fn(*args)
 
-        self.streams["copy"].submit(run)
+        self.streams["dequant"].submit(run)
 
-    def launch(self, layer, *args, **kwargs):
-        """Run the layer on the compute stream; the host gets its output while the stream still
-        "reads" the weights for a while, as kernels do after the host has moved on."""
-        output = Future()
-        index = layer.self_attn.layer_idx
-        weights = dict(layer.named_parameters())  # views of the slot, as bound now
-
-        def own_layer() -> bool:
-            return all(
-                torch.equal(w, self.expected[f"model.layers.{index}.{n}"])
-                for n, w in weights.items()
-            )
+    def launch(self, fn, *args, **kwargs):
+        """Binding a layer's weights, or running the layer, on the compute stream. The host gets
+        a layer's output at once (filled in when the stream gets there), but waits for the last
+        layer's, which it reads; the stream still "reads" the weights for a while after."""
+        if not isinstance(fn, torch.nn.Module):
+            self.streams["compute"].submit(fn, *args)
+            return None
+        index = fn.self_attn.layer_idx
+        if index == self.fail_at:
+            self.fail_at = None
+            raise RuntimeError("out of memory, say")
+        output = torch.empty_like(args[0])  # a decoder layer keeps the hidden states' shape
+        computed = Future()
 
         def run():
             self.delay()
+            weights = dict(fn.named_parameters())  # views of a buffer, as bound in order
             slot = self.slot_of(next(iter(weights.values())))
             self.reading[slot] += 1
-            self.check(own_layer(), f"layer {index} computes on another layer's weights")
+            own = [
+                torch.equal(w, self.expected[f"model.layers.{index}.{n}"])
+                for n, w in weights.items()
+            ]
+            self.check(all(own), f"layer {index} computes on another layer's weights")
             try:
-                output.set_result(layer(*args, **kwargs))
+                output.copy_(fn(*args, **kwargs))
+                computed.set_result(output)
             except Exception as err:
-                output.set_exception(err)
+                computed.set_exception(err)
             self.delay()
-            self.check(own_layer(), f"layer {index}'s weights changed while it computed")
+            own = [
+                torch.equal(w, self.expected[f"model.layers.{index}.{n}"])
+                for n, w in weights.items()
+            ]
+            self.check(all(own), f"layer {index}'s weights changed while it computed")
             self.reading[slot] -= 1
 
         self.streams["compute"].submit(run)
-        return output.result()
+        return computed.result() if index == self.n_layers - 1 else output
 
     def close(self) -> None:
         for stream in self.streams.values():
             stream.shutdown()
+        self.closed = True
 
 
 @settings(max_examples=16, deadline=None)
@@ -608,7 +730,7 @@ def test_ring_ordering_on_a_fake_device(
     exception; a resident layer's buffer is copied into once, when the model is built."""
     folder, oracle = (quant_checkpoints if kind else checkpoints)[family]
     oracle = dequantized(oracle, kind)
-    fake = FakeDevice(seed, (staging[0], staging[1] * offload.PAGE), oracle)
+    fake = FakeDevice(seed, (staging[0], staging[1] * offload.PAGE), oracle, fail_at)
     options = {"mode": mode, "buffers": buffers, "quantize": kind, "context": CONTEXT}
     options |= {"offload_dir": f"{folder}-offloaded"}
     if resident:
@@ -622,12 +744,6 @@ def test_ring_ordering_on_a_fake_device(
         for buffer in model.ring.kept.values()
     }
     if fail_at is not None:  # the first pass breaks off in this layer
-
-        def fail_once(layer, args):
-            hook.remove()
-            raise RuntimeError("out of memory, say")
-
-        hook = model.layers[fail_at].register_forward_pre_hook(fail_once)
         with pytest.raises(RuntimeError, match="out of memory"):
             model(torch.randint(97, (1, 4)), **{CACHE: DynamicCache(config=model.config)})
     fake.host_waits = 0
@@ -642,6 +758,98 @@ def test_ring_ordering_on_a_fake_device(
     if mode == "ram":  # the host blocked once per pass, at its end, never per layer
         assert fake.host_waits == 3
     assert all(fake.copied[slot] == copies > 0 for slot, copies in built.items())
+
+
+def test_pass_times_are_the_devices():
+    """wait_s and load_s are read off events on the device's streams, not the host's clock: on
+    a fake device whose copies take one second of its clock each and compute none, compute
+    waits out every streamed layer's copy (ram, one slot: one copy a layer), every pass."""
+    oracle = random_model(tiny_config("llama"))
+    with tempfile.TemporaryDirectory() as folder:
+        oracle.save_pretrained(folder)
+        fake = FakeDevice(0, (1, offload.PAGE), oracle, copy_s=1.0)
+        with offload.from_pretrained(folder, mode="ram", buffers=1, device=fake) as model:
+            for n in (3, 1):
+                model(torch.randint(97, (1, n)))
+                assert model.stats.load_s == model.stats.wait_s == 3.0
+    assert fake.errors == []
+
+
+@pytest.mark.parametrize("mode", ["ram", "ssd"])
+def test_a_dropped_model_gives_everything_back(checkpoints, mode):
+    """Dropped without close(), copies of the next pass still in flight: its host memory is
+    unpinned, its device buffers freed only after their copies ran, its streams closed."""
+    import gc
+
+    folder, oracle = checkpoints["llama"]
+    fake = FakeDevice(0, (2, offload.PAGE), oracle)
+    model = offload.from_pretrained(folder, mode=mode, device=fake)
+    model(torch.randint(97, (1, 4)))  # its end prefetches the next pass's first layer
+    assert fake.pinned_bytes > 0 and fake.on_device
+    del model
+    gc.collect()
+    assert fake.closed and fake.pinned == {} and fake.on_device == set() and fake.errors == []
+
+
+@pytest.mark.parametrize("mode, failure", [("ram", "interrupted"), ("ssd", "out of memory")])
+def test_a_load_that_fails_part_way_gives_back_what_it_took(
+    checkpoints, monkeypatch, mode, failure
+):
+    """Ctrl-C while the arena fills, or the device out of memory for a ring slot: whatever was
+    pinned is unpinned, the streams closed, the error the caller's."""
+    folder, oracle = checkpoints["llama"]
+    fake = FakeDevice(0, (2, offload.PAGE), oracle)
+    if failure == "interrupted":
+        layer = checkpoint.Checkpoint.layer
+
+        def interrupted(ckpt, i, shapes):
+            if i == 1:
+                raise KeyboardInterrupt
+            return layer(ckpt, i, shapes)
+
+        monkeypatch.setattr(checkpoint.Checkpoint, "layer", interrupted)
+        error = KeyboardInterrupt
+    else:
+        allocate = fake.device_buffer
+        fake.device_buffer = lambda n: allocate(n) if fake.on_device else 1 / 0
+        error = ZeroDivisionError  # as torch.OutOfMemoryError would, for the first slot
+    with pytest.raises(error):
+        offload.from_pretrained(folder, mode=mode, device=fake)
+    assert fake.closed and fake.pinned == {} and fake.errors == []
+
+
+@pytest.mark.parametrize("mode, kind", [("ram", None), ("ram", "int8"), ("ssd", "int4")])
+def test_a_budget_too_small_is_refused_before_any_work(quant_checkpoints, tmp_path, mode, kind):
+    """The budget needs only the config and the headers: refused before anything is pinned, read
+    into RAM or converted (no offload folder written)."""
+    folder, oracle = quant_checkpoints["llama"]
+    fake = FakeDevice(0, (2, offload.PAGE), oracle)
+    fake.host_buffer = lambda n: pytest.fail("pinned before the budget was checked")
+    options = {"mode": mode, "quantize": kind, "offload_dir": tmp_path / "copies"}
+    with pytest.raises(offload.OffloadError, match="leaving too little for 2 slots"):
+        offload.from_pretrained(folder, **options, device=fake, device_memory=13e6, context=10**6)
+    assert not (tmp_path / "copies").exists()
+
+
+@pytest.mark.parametrize(
+    "option, message",
+    [
+        ({"device_memory": math.nan}, "device_memory must be a number of bytes, not nan"),
+        ({"device_memory": "1e9"}, "device_memory must be a number of bytes, not '1e9'"),
+        ({"device_memory": -1.0}, "device_memory must be a number of bytes, not -1.0"),
+        ({"device_memory": True}, "device_memory must be a number of bytes, not True"),
+        ({"context": -100}, "context must be a positive number of tokens, not -100"),
+        ({"context": 0.5}, "context must be a positive number of tokens, not 0.5"),
+    ],
+)
+def test_bad_budget_options_are_one_line_before_the_checkpoint_is_opened(
+    checkpoints, monkeypatch, option, message
+):
+    folder, _ = checkpoints["llama"]
+    monkeypatch.setattr(models, "open_model", lambda *_: pytest.fail("the checkpoint was opened"))
+    with pytest.raises(offload.OffloadError, match=message) as caught:
+        offload.from_pretrained(folder, device="cpu", **option)
+    assert "\n" not in str(caught.value)
 
 
 # ---- quantized offloading (quantize.py): exact in its own terms ----
@@ -818,6 +1026,11 @@ def test_self_draft_is_the_quantized_target_kept_whole(float64_target, kind):
     assert not torch.equal(expected, target(ids).logits)  # quantized: another model
     with pytest.raises(offload.OffloadError, match="a self-draft is 'int8' or 'int4', not 'fp8'"):
         offload.self_draft(folder, "fp8")
+    fake = FakeDevice(0, (2, offload.PAGE), dequantized(target, kind))
+    with offload.self_draft(folder, kind, device=fake) as draft:  # its host copy: let go
+        assert fake.pinned == {}
+        torch.testing.assert_close(draft(ids).logits, expected, rtol=1e-12, atol=1e-12)
+    assert fake.errors == []
 
 
 @pytest.mark.parametrize("kind", quantize.KINDS)
