@@ -6,6 +6,7 @@ traceback, nothing written; Ctrl-C exits with 130 and a closed pipe quietly.
 """
 
 import json
+import math
 import os
 import re
 import shutil
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 import specexec
-from conftest import tiny_model
+from conftest import CONFIGS, random_model, save_model, tiny_config, tiny_model
 from specexec_tools import cli, models
 from specexec_tools.checkpoint import OffloadError
 
@@ -71,9 +72,9 @@ def check_errors(cases, written=""):
     assert not wrong, "\n".join(wrong)
 
 
-def save_tiny(path, vocab_words=None, vocab=64):
-    """A tiny random llama (conftest.tiny_model, float32) and a word-level tokenizer whose
-    vocabulary is `vocab_words`."""
+def save_tiny(path, vocab_words=None, vocab=64, **sizes):
+    """A tiny random llama (conftest.tiny_model, float32; of other `sizes`, conftest.tiny_config)
+    and a word-level tokenizer whose vocabulary is `vocab_words`."""
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -82,7 +83,12 @@ def save_tiny(path, vocab_words=None, vocab=64):
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token=words[0])
     fast.save_pretrained(path)
-    tiny_model(vocab=vocab, dtype=torch.float32).save_pretrained(path)
+    if sizes:
+        layers = sizes.pop("layers", 2)
+        config = tiny_config("llama", vocab, layers, tie_word_embeddings=False, **sizes)
+        random_model(config).save_pretrained(path)
+    else:
+        tiny_model(vocab=vocab, dtype=torch.float32).save_pretrained(path)
     return str(path)
 
 
@@ -128,6 +134,9 @@ def test_help_lists_every_generation_option_with_its_default(capsys):
         assert "(default: " in entry, entry
         if "default" not in f.metadata["help"]:  # else the help says it in words
             assert entry.endswith(f"(default: {f.default})"), entry
+    # what --help offers, the parser takes: --draft-threads 0 is torch's own setting
+    assert "0: torch's setting" in next(e for e in entries if e.startswith("--draft-threads"))
+    assert cli.parse_args(["--draft-threads", "0"]).draft_threads == 0
 
 
 def test_bad_options_fail_in_one_line(tmp_path):
@@ -192,9 +201,10 @@ def test_hub_id_offline_fails_fast(tmp_path):
     """A dead network costs one quick look, not the hub client's half minute of retries (which
     it announces); the timeout only catches a hang, so a slow machine does not fail this."""
     no_hub = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path)}
-    result = cli_run("--target", "nobody/no-such-model", env=no_hub, timeout=600)
-    assert result.returncode == 2 and "127.0.0.1 cannot be reached" in result.stderr
-    assert "local model folder" in result.stderr and "Retrying" not in result.stderr
+    for hub_id in ("nobody/no-such-model", "gpt2"):  # an id without an organisation is one too
+        result = cli_run("--target", hub_id, env=no_hub, timeout=600)
+        assert result.returncode == 2 and "127.0.0.1 cannot be reached" in result.stderr
+        assert "local model folder" in result.stderr and "Retrying" not in result.stderr
 
 
 # ---- damaged model folders ----
@@ -308,7 +318,8 @@ def test_both_tiers_refuse_the_same_folders_in_the_same_words(tmp_path):
 
 def test_sound_but_unusual_checkpoints_load_alike_in_memory_and_offloaded(tmp_path):
     """Oracle: Hugging Face's own loading. A sharded index without "metadata" (which
-    transformers cannot read) and a tied head stored beside the embedding it equals load in
+    transformers cannot read), a tied head stored beside the embedding it equals, and a legacy
+    pytorch_model.bin (torch.save's format before torch 1.6: no zip, so no mmap) load in
     memory and offloaded, with the logits transformers gives."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM
@@ -326,13 +337,21 @@ def test_sound_but_unusual_checkpoints_load_alike_in_memory_and_offloaded(tmp_pa
     tied = Path(shutil.copytree(good, tmp_path / "tied"))
     edit_json(tied / "config.json", tie_word_embeddings=True)
     edit_tensors(tied, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"] + 0}))
+    legacy = Path(shutil.copytree(good, tmp_path / "legacy"))
+    (legacy / "model.safetensors").unlink()
+    state = load_file(good / "model.safetensors")
+    torch.save(state, legacy / "pytorch_model.bin", _use_new_zipfile_serialization=False)
     ids = torch.tensor([[1, 2, 3, 4]])
-    for folder, oracle in [(good, good), (sharded, good), (tied, tied)]:
+    ssd = dict(mode="ssd", device="cpu", offload_dir=tmp_path / "copies")
+    for folder, oracle in [(good, good), (sharded, good), (tied, tied), (legacy, good)]:
         expected = AutoModelForCausalLM.from_pretrained(oracle).eval()(ids).logits
         with torch.no_grad():
             in_memory = models.load(folder, "cpu", None)(ids).logits
             with offload.from_pretrained(folder, mode="ram", device="cpu") as model:
                 offloaded = model(ids).logits
+            if folder == legacy:  # a .bin is streamed from a converted copy
+                with offload.from_pretrained(folder, **ssd) as model:
+                    torch.testing.assert_close(model(ids).logits, expected, rtol=0, atol=0)
         torch.testing.assert_close(in_memory, expected, rtol=0, atol=0)
         torch.testing.assert_close(offloaded, expected, rtol=1e-5, atol=1e-5)
 
@@ -376,24 +395,105 @@ def test_config_values_transformers_refuses_fail_in_one_line(tmp_path):
     check_errors(cases)
 
 
+BROKEN_FAMILY_CONFIGS = {  # what: (family in conftest.CONFIGS, config.json changes, message)
+    "more experts per token than experts": (
+        "mixtral",
+        {"num_experts_per_tok": 5},
+        "config.json is broken: num_experts_per_tok is 5, more than its num_local_experts (4)",
+    ),
+    "no experts": (
+        "mixtral",
+        {"num_local_experts": 0},
+        "config.json is broken: num_local_experts is 0: a mixture of no experts",
+    ),
+    "sliding layers without a window": (
+        "gemma3",
+        {"sliding_window": None},
+        "config.json is broken: sliding_window is null, yet layer_types has sliding_attention",
+    ),
+}
+
+
+def test_broken_configs_of_supported_families_say_the_config_is_broken(tmp_path, capfd):
+    """A family a tree runs, with a config no pass can run: the config is named, with its field,
+    not the family as unsupported; in memory, offloaded and as a user runs it. A config
+    relabelled as a recurrent family is refused with nothing of transformers' own said first."""
+    import offload
+
+    good = save_tiny(tmp_path / "good")
+    cases = []
+    for what, (family, changes, message) in BROKEN_FAMILY_CONFIGS.items():
+        folder = tmp_path / what.replace(" ", "_")
+        save_model(folder, CONFIGS[family]())
+        edit_json(folder / "config.json", **changes)
+        for load in (models.load, offload.from_pretrained):
+            with pytest.raises(OffloadError, match=re.escape(f"{folder}: {message}")):
+                load(folder, device="cpu", dtype=None)
+        cases.append((["--target", str(folder), "--draft", good, "--prompt", "w1"], message))
+    capfd.readouterr()
+    for family in ("mamba", "jamba"):
+        relabelled = shutil.copytree(good, tmp_path / family)
+        edit_json(relabelled / "config.json", model_type=family)
+        message = f"{family} is not supported: layer 0 keeps a LinearAttentionLayer"
+        for load in (models.load, offload.from_pretrained):
+            with pytest.raises(OffloadError, match=message):
+                load(relabelled, device="cpu", dtype=None)
+        assert capfd.readouterr().err == ""  # transformers' logging, at its default level
+        cases.append((["--target", str(relabelled), "--draft", good, "--prompt", "w1"], message))
+    check_errors(cases)
+
+
 def test_non_finite_logits_stop_the_run_naming_the_model(tmp_path):
     """NaN weights, an infinite norm, rms_norm_eps -1.0: NaN logits would pick id 0 (an EOS)
-    and end the run as if it were done; instead one line names the model that computes them."""
+    and end the run as if it were done. A weight read whole (in memory, into RAM, into a copy,
+    into the target's own quantized copy as draft) is refused as it is read, naming it and the
+    folder; one the ssd tier streams from the checkpoint is found by the logits it gives, and
+    one line names the model that computes them."""
     good = Path(save_tiny(tmp_path / "good"))
     nan, inf, eps = (shutil.copytree(good, tmp_path / name) for name in ("nan", "inf", "eps"))
     edit_tensors(nan, lambda t: t["model.layers.1.mlp.down_proj.weight"][0].fill_(float("nan")))
     edit_tensors(inf, lambda t: t["model.norm.weight"][3].fill_(float("inf")))
     edit_json(eps / "config.json", rms_norm_eps=-1.0)
+    wide = save_tiny(tmp_path / "wide", hidden_size=64, intermediate_size=128)  # int4's groups
+    wide_nan = shutil.copytree(wide, tmp_path / "wide_nan")
+    edit_tensors(wide_nan, lambda t: t["model.layers.1.mlp.up_proj.weight"][5].fill_(math.nan))
     run = ["--prompt", "w1 w2", "--max-new-tokens", "4"]
+    copies = ["--offload-dir", str(tmp_path / "copies")]
     target = "the target model computes logits that are not finite (NaN or inf)"
+    weights = "the checkpoint's model.layers.1.mlp.down_proj.weight holds NaN or inf"
     check_errors(
         [
-            (["--target", str(nan), "--draft", str(good), *run], target),
-            (["--target", str(inf), "--draft", str(good), *run, "--offload", "ssd"], target),
+            (["--target", str(nan), "--draft", str(good), *run, "--offload", "ssd"], target),
             (["--target", str(good), "--draft", str(eps), *run], "the draft model computes"),
         ],
         written="w1 w2\n--- continuation ---\n",  # the prompt, then the error
     )
+    up = "checkpoint's model.layers.1.mlp.up_proj.weight holds NaN or inf: its weights are broken"
+    read_whole = [
+        (["--target", str(nan), "--draft", str(good), *run], f"{nan}: {weights}"),
+        (["--target", str(good), "--draft", str(nan), *run], f"{nan}: {weights}"),
+        (["--target", str(nan), "--draft", str(good), *run, "--offload", "ram"], weights),
+        (
+            [*["--target", str(nan), "--draft", str(good), *run], "--offload", "ssd"]
+            + ["--dtype", "float64", *copies],
+            weights,
+        ),
+        (
+            ["--target", str(inf), "--draft", str(good), *run, "--offload", "ssd"],
+            "the checkpoint's model.norm.weight holds NaN or inf",
+        ),
+        # the target's own copy as draft: the target's weights are to blame, not "the draft"
+        # (ssd streams the target from its checkpoint: only the draft reads the weight)
+        (["--target", str(wide_nan), "--draft", "int4", *run], f"{wide_nan}: the {up}"),
+        (["--target", str(wide_nan), "--draft", "int4", *run, "--offload", "ssd"], up),
+    ]
+    # Found as the weights are read: after the progress of that read (on stderr), the error
+    for (argv, message), result in zip(read_whole, cli_run_all([(c[0], {}) for c in read_whole])):
+        said = result.stderr.splitlines()[-1:]
+        assert result.returncode == 2 and result.stdout == "", (argv, result.stderr[-2000:])
+        assert said[0].startswith("error: ") and message in said[0], (argv, result.stderr)
+        assert "Traceback" not in result.stderr, result.stderr
+    assert not (tmp_path / "copies").exists() or not any((tmp_path / "copies").iterdir())
 
 
 def drop_root_file_access():
@@ -427,6 +527,107 @@ def test_unreadable_weights_and_folders_fail_in_one_line(tmp_path):
         )
     finally:
         folder.chmod(0o755)
+
+
+# ---- the ssd tier's converted copy ----
+
+
+def test_a_checkpoint_replaced_in_place_is_converted_again(tmp_path):
+    """Other weights of the same size, their modification time restored (`touch -r`; `cp -p`,
+    `rsync -a` and `tar x` restore it too): the copy of the old weights is not reused. Oracle:
+    the new weights in memory."""
+    import offload
+
+    folder = Path(save_tiny(tmp_path / "model"))
+    ssd = dict(mode="ssd", device="cpu", dtype=torch.float64, offload_dir=tmp_path / "copies")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad(), offload.from_pretrained(folder, **ssd) as model:
+        old = model(ids).logits
+    weights = folder / "model.safetensors"
+    before = weights.stat()
+    edit_tensors(folder, lambda t: t["model.layers.0.mlp.up_proj.weight"].mul_(-1))
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert weights.stat().st_size == before.st_size
+    assert weights.stat().st_mtime_ns == before.st_mtime_ns
+    with torch.no_grad(), offload.from_pretrained(folder, **ssd) as model:
+        new = model(ids).logits
+        expected = models.load(folder, "cpu", torch.float64)(ids).logits
+    torch.testing.assert_close(new, expected, rtol=0, atol=0)
+    assert not torch.equal(new, old)
+
+
+def test_a_converted_copy_that_cannot_be_read_is_named_as_unread(tmp_path):
+    """Not "cannot write offload folder": reading one of its files failed."""
+    import offload
+
+    good = save_tiny(tmp_path / "good")
+    copies = tmp_path / "copies"
+    offload.from_pretrained(good, mode="ssd", dtype="float64", offload_dir=copies).close()
+    layer = next(copies.glob("*/layer_001.safetensors"))
+    as_user = drop_root_file_access if os.geteuid() == 0 else None
+    layer.chmod(0)
+    probe = [sys.executable, "-c", f"open({str(layer)!r})"]
+    if subprocess.run(probe, preexec_fn=as_user, capture_output=True).returncode == 0:
+        pytest.skip("this user reads files of mode 000")
+    ssd = ["--offload", "ssd", "--dtype", "float64", "--offload-dir", str(copies)]
+    message = f"cannot read the converted copy's {layer} (Permission denied); delete {layer.parent}"
+    check_errors(
+        [
+            (
+                ["--target", good, "--draft", good, "--prompt", "w1", *ssd],
+                message,
+                {"preexec_fn": as_user},
+            )
+        ]
+    )
+
+
+def test_offload_clean_that_could_not_remove_the_copy_is_refused_before_the_run(tmp_path):
+    """A finished copy in a read-only --offload-dir is reused without a write, and could not be
+    removed after the run: refused before any weight is read, nothing written."""
+    import offload
+
+    good = save_tiny(tmp_path / "good")
+    copies = tmp_path / "copies"
+    offload.from_pretrained(good, mode="ssd", dtype="float64", offload_dir=copies).close()
+    as_user = drop_root_file_access if os.geteuid() == 0 else None
+    copies.chmod(0o555)
+    try:
+        probe = [sys.executable, "-c", f"open({str(copies / 'x')!r}, 'w')"]
+        if subprocess.run(probe, preexec_fn=as_user, capture_output=True).returncode == 0:
+            pytest.skip("this user writes into folders of mode 555")
+        ssd = ["--offload", "ssd", "--dtype", "float64", "--offload-dir", str(copies)]
+        run = ["--target", good, "--draft", good, "--prompt", "w1", *ssd]
+        message = f"--offload-clean: the converted copy {next(copies.iterdir())} could not be"
+        check_errors([([*run, "--offload-clean"], message, {"preexec_fn": as_user})])
+        kept = cli_run(*run, "--max-new-tokens", "2", preexec_fn=as_user)  # without: it runs
+        assert kept.returncode == 0, kept.stderr[-2000:]
+    finally:
+        copies.chmod(0o755)
+
+
+def test_sigterm_while_converting_removes_the_half_written_copy(tmp_path):
+    """As Ctrl-C does; the process still ends by SIGTERM."""
+    wide = save_tiny(tmp_path / "wide", layers=24, hidden_size=256, intermediate_size=512)
+    copies = tmp_path / "copies"
+    process = start_cli(
+        "--target", wide, "--draft", wide, "--prompt", "w1", "--offload", "ssd",
+        "--dtype", "float64", "--offload-dir", str(copies),
+    )  # fmt: skip
+    while not list(copies.glob("*/layer_*")) and process.poll() is None:
+        time.sleep(0.002)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == -signal.SIGTERM, err[-2000:]
+    assert list(copies.iterdir()) == [], err[-2000:]
+
+
+def test_bad_input_with_stderr_on_a_full_device_still_exits_2(tmp_path):
+    """The error line cannot be written; the status still says bad input."""
+    good = save_tiny(tmp_path / "good")
+    with open("/dev/full", "w") as full:
+        result = cli_run("--target", good, "--draft", good, "--budget", "0", stderr=full)
+    assert result.returncode == 2
 
 
 # ---- an output that cannot be written, Ctrl-C, damaged default prompts ----

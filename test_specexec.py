@@ -367,14 +367,18 @@ def test_auto_budget_sampling_with_a_seed_equals_the_target_alone():
 
 
 def chain_tree(n, logprob):
-    """A hand-made draft tree: a chain of n nodes, each `logprob` below its parent."""
-    return specexec.DraftTree(
+    """A hand-made draft tree: a chain of n nodes, each `logprob` below its parent, all of them
+    verified."""
+    tree = specexec.DraftTree(
         tokens=list(range(n + 1)),
         parents=[-1, *range(n)],
         cum_logprob=[logprob * depth for depth in range(n + 1)],
         depth=list(range(n + 1)),
         budget=n,
     )
+    for node in range(1, n + 1):
+        tree.admit(node)
+    return tree
 
 
 def test_cost_model_lines_through_the_sizes_it_ran():
@@ -472,28 +476,39 @@ def test_tree_gains_are_a_plain_walk_over_the_best_nodes(parents, max_depth, dat
         assert gains[key] == (pytest.approx(gain, rel=1e-12), deepest)
 
 
-def test_cost_model_looks_at_the_draft_again_after_plain_steps_worth_many_tree_steps():
+def test_cost_model_looks_at_the_draft_again_after_plain_steps_worth_many_lost_looks():
     """Plain decoding chosen: a tree step comes again once plain steps in a row have taken
-    LOOK_EVERY times what that tree step would, so looking is a small share of the time."""
+    LOOK_EVERY times the most that look can lose (a tree step's seconds less a plain step's:
+    it gives the bonus at least), and each look that finds nothing doubles the wait, so
+    looking is a small share of the time however wrong the draft."""
     cost = CostModel(max_depth=8, target_s={1: 0.01, 9: 0.5}, draft_s=0.1, largest=8, tree_steps=1)
     cost.gains = {(8, 4): (3.0, 4)}  # a tree step: 4 draft passes + a pass over 9 = 0.9 s
     assert cost.choose() == (0, 0)  # 3 tokens in 0.9 s; plain decoding 1 in 0.01 s
-    cost.plain_s = cost.LOOK_EVERY * 0.9 * 0.99
+    lost = 0.9 - 0.01  # the most a look can lose
+    assert cost.look_cost((8, 4)) == pytest.approx(lost)
+    cost.plain_s = cost.LOOK_EVERY * lost * 0.99
     assert cost.choose() == (0, 0)
-    cost.plain_s = cost.LOOK_EVERY * 0.9
-    assert cost.choose() == (8, 4)
+    cost.plain_s = cost.LOOK_EVERY * lost * 1.01
+    assert cost.choose() == (8, 4) and cost.looks == 1
+    cost.plain_s = 1.01 * cost.LOOK_EVERY * lost  # after that look, plain steps again:
+    assert cost.choose() == (0, 0)  # the next look waits twice as long
+    cost.plain_s = 2.01 * cost.LOOK_EVERY * lost
+    assert cost.choose() == (8, 4) and cost.looks == 2
+    cost.draft_s, cost.target_s[9] = 0.001, 0.005  # a tree pays: the waits start over
+    assert cost.choose() == (8, 4) and cost.looks == 0
 
 
-def test_cost_model_measures_a_second_size_with_a_small_tree_unless_the_target_streams():
+def test_cost_model_measures_a_second_size_with_a_plain_step_unless_the_target_streams():
     """One size measured (the prompt's pass): where that pass outlasts STREAMED draft passes the
-    target streams its weights and the first tree stays; otherwise a small tree probes."""
+    target streams its weights and the first tree stays; otherwise a plain step measures a
+    pass over one token, as plain decoding would run it (so a dear draft costs one tree)."""
     cost = CostModel(max_depth=16, target_s={200: 1.0}, draft_s=0.001, largest=32, steps=1)
     cost.gains = cost.tree_gains(chain_tree(32, logprob=-0.001), max_depth=16)
     assert cost.choose() == (16, 16)  # the chain's most tokens at equal cost, as deep as it goes
     cost.draft_s = 2.0 / cost.STREAMED  # a draft pass is a 50th of the target's
-    assert cost.choose() == (cost.PROBE, cost.PROBE)
-    cost.target_s[5] = 0.1  # the probe drew the line: choose by the rates again
-    assert cost.choose() != (cost.PROBE, cost.PROBE)
+    assert cost.choose() == (0, 0)
+    cost.target_s[1] = 0.1  # the plain step drew the line: choose by the rates again
+    assert cost.choose()[0] > 0
 
 
 def observe(cost, choice, n_fed, draft_s, target_s, passes, tree, path, bonus=99):
@@ -529,7 +544,8 @@ def test_cost_model_learns_from_what_the_target_followed():
 
 def test_cost_model_charges_what_steps_took_and_scales_what_it_predicts():
     """A (budget, depth) that ran is charged the seconds its steps took; one that did not, its
-    parts, scaled by how far the parts fell short of whole steps."""
+    parts, scaled by how far the parts fell short of whole steps. Every tree's gain beyond the
+    bonus is scaled by how far trees fell short of what was expected of them."""
     cost = CostModel(max_depth=8, target_s={1: 1.0, 65: 3.0}, draft_s=0.1, steps=1, largest=8)
     tree = chain_tree(8, logprob=-0.1)
     cost.gains = cost.tree_gains(tree, max_depth=8)
@@ -539,9 +555,76 @@ def test_cost_model_charges_what_steps_took_and_scales_what_it_predicts():
     assert cost.time_scale == pytest.approx(running_mean(1.0, 2.8 / parts), rel=1e-3)
     unrun = cost.seconds((8, 8), 8)
     assert unrun == pytest.approx(cost.time_scale * cost.from_parts(8, 8))
+    # The 8 nodes verified were expected to give sum(0.905 ** k) tokens beyond the bonus (the
+    # draft's own probabilities: nothing was seen before), and gave 2
+    expected = sum(math.exp(-0.1 * k) for k in range(1, 9))
+    prior = cost.EXTRA_PRIOR
+    assert cost.gain_scale == pytest.approx((2 + prior) / (expected + prior))
     rates = cost.rates()
-    assert rates[(8, 8)] == pytest.approx(cost.gains[(8, 8)][0] / unrun)
-    assert rates[(4, 4)] == pytest.approx(cost.gains[(4, 4)][0] / cost.seconds((4, 4), 4))
+    for choice, seconds in (((8, 8), unrun), ((4, 4), cost.seconds((4, 4), 4))):
+        gain = 1 + cost.gain_scale * (cost.gains[choice][0] - 1)
+        assert rates[choice] == pytest.approx(gain / seconds)
+
+
+def simulate(cost, n_tokens, followed, draft_s, pass_s, prompt=100):
+    """Run `cost` as the loop would, on made-up steps: each tree a sure chain as long as its
+    depth, of which the target follows the first `followed` nodes; a target pass over n tokens
+    takes pass_s(n) seconds, a draft pass draft_s (the first also reads the prompt). Returns
+    the choices and tokens per (made-up) second against plain decoding's."""
+    choices, tokens, seconds, fed = [], 0, 0.0, prompt
+    while tokens < n_tokens:
+        budget, depth = cost.choose()
+        choices.append((budget, depth))
+        if budget:
+            passes = min(budget, depth)
+            tree = chain_tree(passes, logprob=-0.05)
+            path = list(range(1, 1 + min(followed, passes)))  # the nodes the target follows
+            drafting = (passes + (fed > 1) * prompt / 10) * draft_s
+            observe(cost, (budget, depth), fed + budget, drafting, pass_s(fed + budget), passes,
+                    tree, path)  # fmt: skip
+            tokens, seconds = tokens + len(path) + 1, seconds + drafting + pass_s(fed + budget)
+        else:
+            step = specexec.Step([7], 0, 0, fed, target_s=pass_s(fed), total_s=pass_s(fed))
+            cost.update(step)
+            tokens, seconds = tokens + 1, seconds + pass_s(fed)
+        fed = 1
+    plain_s = pass_s(prompt) + (tokens - 1) * pass_s(1)
+    return choices, plain_s / seconds
+
+
+@pytest.mark.parametrize("n_tokens", [24, 64, 256])
+@pytest.mark.parametrize(
+    "draft_s, pass_s",
+    [
+        (0.05, lambda n: 0.5 + 0.001 * n),  # a streamed target, a draft a tenth of its pass
+        (0.002, lambda n: 0.01 + 0.0001 * n),  # in memory, a draft a fifth of a pass
+        (0.01, lambda n: 0.01 + 0.0001 * n),  # in memory, a draft that costs what the target does
+    ],
+)
+def test_cost_model_drops_a_draft_whose_trees_give_one_token_and_loses_little(
+    n_tokens, draft_s, pass_s
+):
+    """A sure draft the target never follows (trees give the bonus alone): after the first tree
+    and a plain step, auto decodes plainly and looks again rarely; against plain decoding it
+    loses 5% at most, or, on runs too short for that, about what the first tree cost."""
+    cost = CostModel(max_depth=16)
+    choices, speed = simulate(cost, n_tokens, 0, draft_s, pass_s)
+    assert choices[:3] == [(32, cost.FIRST_DEPTH), (0, 0), (0, 0)]
+    assert sum(budget > 0 for budget, _ in choices) <= 1 + len(choices) / 4  # looks: rare
+    first_tree = (cost.FIRST_DEPTH + 10) * draft_s + pass_s(132) - pass_s(100)
+    plain_s = pass_s(100) + (n_tokens - 1) * pass_s(1)
+    assert speed >= min(0.95, 1 - 1.5 * first_tree / plain_s)
+
+
+@pytest.mark.parametrize("followed", [1, 2, 3])
+def test_cost_model_keeps_trees_that_pay(followed):
+    """A draft the target follows `followed` nodes deep, the target streamed: trees all the way
+    (the first tree's target pass says it streams: no plain step), near 1 + followed tokens a
+    pass."""
+    cost = CostModel(max_depth=16)
+    choices, speed = simulate(cost, 128, followed, 0.002, lambda n: 1.0 + 0.001 * n)
+    assert all(budget > 0 for budget, _ in choices)
+    assert speed > 0.8 * (1 + followed)
 
 
 def reference_probs(logits, temperature, top_k, top_p):
@@ -651,10 +734,13 @@ def test_kept_caches_equal_a_fresh_forward(family):
         (dict(temperature=-1.0), "temperature must be 0 or in"),
         (dict(seed=2**64), "seed must be in"),
         (dict(seed=-1), "seed must be in"),
+        (dict(on_tokens=5), "on_tokens must be a function of a list of tokens, got 5"),
     ],
 )
 def test_bad_options_raise_clear_errors(options, message):
-    target = tiny_model("llama", 0)
+    """Refused before any pass: the models here fail if they are ever run."""
+    target = copy.copy(tiny_model("llama", 0))
+    target.forward = None  # no pass may run; the checks read only the config
     for decode in (specexec.generate, specexec.autoregressive):
         models = (target, target) if decode is specexec.generate else (target,)
         with pytest.raises(SpecExecError, match=re.escape(message)):
@@ -664,6 +750,26 @@ def test_bad_options_raise_clear_errors(options, message):
 def test_good_edge_options_are_accepted():
     """The bounds themselves are fine, and so is an int where a float is asked."""
     specexec.Options(temperature=1e-4, top_p=1, seed=2**64 - 1, max_new_tokens=0)
+
+
+def test_numbers_of_other_types_run_as_pythons_own():
+    """numpy's integers and a Fraction are numbers as an int or a float are (the option check
+    lets them through); torch takes none of them (`torch.Generator.manual_seed` of a
+    numpy.uint64 fails deep in a run), so they run as the int or float they equal."""
+    from fractions import Fraction
+
+    import numpy as np
+
+    target = tiny_model("llama", 0, init=0.5)
+    given = dict(seed=np.uint64(2**64 - 1), temperature=Fraction(1, 2), max_new_tokens=np.int64(6))
+    plain = dict(seed=2**64 - 1, temperature=0.5, max_new_tokens=6)
+    for decode in (
+        lambda **options: specexec.generate(target, target, [5, 6, 7], budget=8, **options),
+        lambda **options: specexec.autoregressive(target, [5, 6, 7], **options),
+    ):
+        assert decode(**given)[0] == decode(**plain)[0]
+    opts = specexec.Options(**given)
+    assert [type(opts.seed), type(opts.temperature), type(opts.max_new_tokens)] == [int, float, int]
 
 
 @pytest.mark.parametrize(
@@ -679,6 +785,7 @@ def test_good_edge_options_are_accepted():
         ([1, 64, 2], "token id 64 is outside the target's vocabulary (64 tokens)"),
         ([-1], "token id -1 is outside the target's vocabulary"),
         ([1, 40], "token id 40 is outside the draft's vocabulary (32 tokens)"),
+        (torch.ones(1, 3, dtype=torch.long, device="meta"), "input_ids holds no values to read"),
     ],
 )
 def test_bad_prompts_raise_clear_errors(input_ids, message):
@@ -1160,3 +1267,18 @@ def test_a_chat_without_a_draft_decodes_plainly_as_autoregressive():
         assert stats.draft_passes == 0
         conversation = conversation + answer
     assert stats.reused == len(conversation) - len(answer) - 2 - 1  # what the turn before left
+
+
+def test_draft_threads_one_for_a_small_draft_torchs_setting_for_a_big_one():
+    """The default: one thread for a draft whose passes are small matmuls, torch's own setting
+    (0) for a draft of 50M parameters or more (a real model, the target's int4 copy), read off
+    its config; a number given is taken as it is."""
+    small = types.SimpleNamespace(config=tiny_model("llama", 1).config)
+    big = types.SimpleNamespace(
+        config=types.SimpleNamespace(hidden_size=576, num_hidden_layers=30, vocab_size=49152)
+    )  # SmolLM2-135M's shape
+    for draft, threads in ((small, 1), (big, 0)):
+        run = types.SimpleNamespace(draft=draft, opts=specexec.Options())
+        assert specexec.draft_threads(run) == threads
+        run.opts = specexec.Options(draft_threads=2)
+        assert specexec.draft_threads(run) == 2

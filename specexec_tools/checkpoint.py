@@ -8,12 +8,18 @@ a folder as a whole (config, family, every weight present) are models.open_model
 """
 
 import copy
+import errno
 import fcntl
 import hashlib
 import json
+import math
 import os
+import pickle
 import shutil
+import signal
 import sys
+import threading
+import zipfile
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -48,7 +54,17 @@ def pread_into(fd: int, buffer: torch.Tensor, file_offset: int, path: Path, need
     """
     target, done, needed = memoryview(buffer.numpy()), 0, needed or len(buffer)
     while done < needed:
-        got = os.preadv(fd, [target[done:]], file_offset + done)
+        try:
+            got = os.preadv(fd, [target[done:]], file_offset + done)
+        except OSError as err:
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            direct = getattr(os, "O_DIRECT", 0)
+            if err.errno != errno.EINVAL or not flags & direct:
+                raise OffloadError(f"cannot read {path}: {err.strerror or err}") from None
+            # a filesystem that took O_DIRECT at open and refuses the read (or a short read
+            # left us unaligned): this descriptor reads through the page cache from now on
+            fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~direct)
+            continue
         if got == 0:
             raise OffloadError(
                 f"truncated safetensors shard {path}: ends before {file_offset + done}"
@@ -139,10 +155,14 @@ class Checkpoint:
                 if shard.suffix == ".safetensors":
                     self.entries.update(read_header(shard))
                     continue
-                try:  # mmap: bytes are paged in as tensors are touched, never the whole shard
-                    self.mapped.update(torch.load(shard, mmap=True, weights_only=True))
-                except RuntimeError as err:
-                    reason = one_line(err)
+                # mmap: bytes are paged in as tensors are touched, never the whole shard. A legacy
+                # .bin (torch.save before torch 1.6, or _use_new_zipfile_serialization=False) is
+                # no zip, which mmap needs: it is read whole.
+                mmap = zipfile.is_zipfile(shard)
+                try:
+                    self.mapped.update(torch.load(shard, mmap=mmap, weights_only=True))
+                except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as err:
+                    reason = one_line(err) if mmap else "no zip, nor a legacy torch.save of tensors"
                     raise OffloadError(f"corrupt checkpoint shard {shard}: {reason}") from None
             if self.shards:
                 return
@@ -236,9 +256,20 @@ class Checkpoint:
         return shapes
 
     def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """One tensor on the host, in its stored dtype; the model's name (see `name_as`)."""
+        """One tensor on the host, in its stored dtype; the model's name (see `name_as`).
+
+        Checked finite as it is read: a NaN or inf weight would otherwise surface as non-finite
+        logits of whatever computes with it first, a quantized copy as draft, say, which is then
+        blamed for the checkpoint's fault. (Every tensor read here is read whole anyway: into
+        memory, into RAM for the offloader, or into a converted copy.)"""
         self.check(name, tuple(shape))
-        return self.convert(name, self.stored) if name in self.sources else self.stored(name)
+        found = self.convert(name, self.stored) if name in self.sources else self.stored(name)
+        # A sum is NaN or inf iff an element is; in float64 no finite weight overflows it
+        if found.is_floating_point() and not math.isfinite(found.sum(dtype=torch.float64)):
+            raise OffloadError(
+                f"{self.folder}: the checkpoint's {name} holds NaN or inf: its weights are broken"
+            )
+        return found
 
     @property
     def dtype(self) -> torch.dtype:
@@ -254,8 +285,15 @@ class Checkpoint:
         return {name: self.tensor(f"model.layers.{i}.{name}", s) for name, s in shapes.items()}
 
     def fingerprint(self) -> str:
-        """Changes when the checkpoint's files do: an older offload folder is then not reused."""
-        stamps = [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in self.shards]
+        """Changes when the checkpoint's files do: an older offload folder is then not reused.
+
+        The change time (ctime) too, not only the modification time: `touch -r`, `cp -p`,
+        `rsync -a` and `tar x` restore a replaced file's mtime, but no user can set its ctime,
+        which every write (and every such restore) moves on."""
+        stamps = []
+        for shard in self.shards:
+            stat = shard.stat()
+            stamps.append((shard.name, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns))
         return hashlib.sha1(repr((str(self.folder.resolve()), stamps)).encode()).hexdigest()[:12]
 
 
@@ -266,18 +304,54 @@ def disk_layers(
     ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, kind, offload_dir
 ) -> tuple[list[dict[str, Entry]], Path | None]:
     """Where the ssd tier reads each decoder layer's tensors (name -> Entry, a dict per layer):
-    the checkpoint's own safetensors where they hold `dtype`, unquantized, at offsets a view of
-    `dtype` can start at; else a converted copy, whose folder is returned too."""
-    layers = [
-        {n: ckpt.entries.get(f"model.layers.{i}.{n}") for n in shapes} for i in range(n_layers)
-    ]
-    entries = [entry for layer in layers for entry in layer.values()]
-    # the checkpoint's own files will do if their tensors have the dtype and can be viewed in place
-    fits = all(e and e.dtype == dtype and e.start % dtype.itemsize == 0 for e in entries)
-    if fits and kind is None:
-        return layers, None
+    the checkpoint's own safetensors where they will do (`reads_in_place`); else a converted
+    copy, whose folder is returned too."""
+    if reads_in_place(ckpt, dtype, kind):
+        names = [[f"model.layers.{i}.{n}" for n in shapes] for i in range(n_layers)]
+        return [dict(zip(shapes, map(ckpt.entries.get, layer))) for layer in names], None
     folder = convert(ckpt, shapes, n_layers, dtype, offload_dir, kind)
     return [read_header(path) for path in layer_files(folder, n_layers)], folder
+
+
+def reads_in_place(ckpt: Checkpoint, dtype, kind) -> bool:
+    """Whether the ssd tier streams the checkpoint's own files: every decoder layer's tensor is
+    stored as the model names it (not stacked from a mixture's experts, not in a .bin), in
+    `dtype`, at an offset a view of `dtype` can start at, and is not to be quantized."""
+    names = [name for name in ckpt.names() if name.startswith("model.layers.")]
+    entries = [ckpt.entries.get(name) for name in names]
+    fits = all(e and e.dtype == dtype and e.start % dtype.itemsize == 0 for e in entries)
+    return fits and kind is None
+
+
+def copy_folder(ckpt: Checkpoint, dtype, kind, offload_dir) -> Path:
+    """Where `convert` writes (or finds) the copy of `ckpt` in `dtype`, quantized as `kind` says:
+    named for the checkpoint's files as they are now (`fingerprint`), so a changed checkpoint
+    gets a new copy."""
+    name = f"{ckpt.folder.name}-{ckpt.fingerprint()}-{copy_label(dtype, kind)}"
+    return Path(offload_dir).expanduser() / name
+
+
+def copy_label(dtype, kind) -> str:
+    """int8-float16: int8 levels with float16 scales; float64: unquantized float64."""
+    dtype_name = str(dtype).removeprefix("torch.")
+    return f"{kind}-{dtype_name}" if kind else dtype_name
+
+
+def check_removable(ckpt: Checkpoint, dtype, kind, offload_dir) -> None:
+    """--offload-clean, checked before the run rather than after it: the copy this run writes or
+    reuses in `offload_dir` can be removed again (its folder, and the one holding it, are
+    writable; a read-only offload_dir can hold a finished copy, reused without a write).
+    dtype None: the checkpoint's own."""
+    dtype = dtype or ckpt.dtype
+    if offload_dir is None or reads_in_place(ckpt, dtype, kind):
+        return  # no copy to remove
+    folder = copy_folder(ckpt, dtype, kind, offload_dir)
+    for where in (folder, folder.parent):
+        if where.exists() and not os.access(where, os.W_OK | os.X_OK):
+            raise OffloadError(
+                f"--offload-clean: the converted copy {folder} could not be removed after the "
+                f"run ({where} is read-only); drop --offload-clean or pass another --offload-dir"
+            )
 
 
 def layer_files(folder: Path, n_layers: int) -> list[Path]:
@@ -295,10 +369,9 @@ def convert(ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, offload_dir, k
     """
     if offload_dir is None:
         raise OffloadError(f"{ckpt.folder} needs a one-time conversion for ssd; pass offload_dir")
-    offload_dir = Path(offload_dir).expanduser()  # "~/copies": in the home folder, not "./~"
+    folder = copy_folder(ckpt, dtype, kind, offload_dir)  # "~/copies": in the home folder
+    offload_dir, label = folder.parent, copy_label(dtype, kind)
     dtype_name = str(dtype).removeprefix("torch.")
-    label = f"{kind}-{dtype_name}" if kind else dtype_name  # int8-float16: int8 with fp16 scales
-    folder = offload_dir / f"{ckpt.folder.name}-{ckpt.fingerprint()}-{label}"
     manifest = {"source": str(ckpt.folder.resolve()), "dtype": dtype_name, "layers": n_layers}
     manifest["quantize"] = kind
     files = layer_files(folder, n_layers)
@@ -342,23 +415,33 @@ def locked(folder: Path):
 def copy_damage(folder: Path, manifest: dict, files: list[Path]) -> str | None:
     """None if `folder` holds the finished copy `manifest` describes, else what is wrong ("" if
     it was never finished). Sizes first; then every file's SHA-256, read once at open: about one
-    target pass of reading (the ssd tier reads the whole copy every pass), on all cores."""
+    target pass of reading (the ssd tier reads the whole copy every pass), on all cores.
+
+    A file of the copy that is there but cannot be read (its mode, its owner) is an OffloadError
+    naming it: the ssd tier would have to read it every pass, and writing it again could not
+    change who may read it."""
     try:
-        written = json.loads((folder / "manifest.json").read_text())
-        sizes, digests = zip(*(written["files"][file.name] for file in files))  # as written
-        if {**manifest, "files": written["files"]} != written:
-            return "its manifest.json describes another copy"
-    except FileNotFoundError:
-        return ""
-    except (OSError, ValueError, KeyError, TypeError):
-        return "its manifest.json is not one this version wrote"
-    for file, size in zip(files, sizes):
-        if not file.is_file() or file.stat().st_size != size:
-            return f"{file.name} is missing or not {size} bytes"
-    with ThreadPoolExecutor() as pool:  # hashlib lets go of the GIL: one file per core
-        for file, digest, found in zip(files, digests, pool.map(sha256, files)):
-            if found != digest:
-                return f"{file.name} is not the file that was written"
+        try:
+            written = json.loads((folder / "manifest.json").read_text())
+            sizes, digests = zip(*(written["files"][file.name] for file in files))  # as written
+            if {**manifest, "files": written["files"]} != written:
+                return "its manifest.json describes another copy"
+        except FileNotFoundError:
+            return ""
+        except (ValueError, KeyError, TypeError):
+            return "its manifest.json is not one this version wrote"
+        for file, size in zip(files, sizes):
+            if not file.is_file() or file.stat().st_size != size:
+                return f"{file.name} is missing or not {size} bytes"
+        with ThreadPoolExecutor() as pool:  # hashlib lets go of the GIL: one file per core
+            for file, digest, found in zip(files, digests, pool.map(sha256, files)):
+                if found != digest:
+                    return f"{file.name} is not the file that was written"
+    except OSError as err:  # PermissionError, EIO: reading, not writing, failed
+        raise OffloadError(
+            f"cannot read the converted copy's {err.filename or folder} ({err.strerror or err}); "
+            f"delete {folder} to have it written again"
+        ) from None
     return None
 
 
@@ -373,18 +456,49 @@ def write_copy(ckpt, shapes, dtype, kind, folder: Path, manifest: dict, files: l
 
     sums = {}
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "manifest.json").unlink(missing_ok=True)  # unfinished until written again
-        for i in tqdm(range(len(files)), desc=f"offload: converting layers into {folder}"):
-            data = save(quantize.quantize_layer(ckpt.layer(i, shapes), dtype, kind))
-            write_then_rename(files[i], data)
-            sums[files[i].name] = [len(data), hashlib.sha256(data).hexdigest()]
-        write_then_rename(
-            folder / "manifest.json", json.dumps({**manifest, "files": sums}).encode()
-        )
-    except BaseException:  # a full disk, Ctrl-C: what was written is of no use, only takes space
+        with sigterm_raises():
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "manifest.json").unlink(missing_ok=True)  # unfinished until written again
+            for i in tqdm(range(len(files)), desc=f"offload: converting layers into {folder}"):
+                data = save(quantize.quantize_layer(ckpt.layer(i, shapes), dtype, kind))
+                write_then_rename(files[i], data)
+                sums[files[i].name] = [len(data), hashlib.sha256(data).hexdigest()]
+            write_then_rename(
+                folder / "manifest.json", json.dumps({**manifest, "files": sums}).encode()
+            )
+    except BaseException as err:  # a full disk, Ctrl-C, SIGTERM: what was written only takes space
         shutil.rmtree(folder, ignore_errors=True)
+        if isinstance(err, Terminated):  # end as SIGTERM ends a process, now that it is tidy
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
         raise
+
+
+class Terminated(BaseException):
+    """SIGTERM, raised while a copy is being written (`sigterm_raises`)."""
+
+
+@contextmanager
+def sigterm_raises():
+    """SIGTERM (`kill`, a job scheduler's stop, a closing terminal's session) raises Terminated
+    inside this block, as Ctrl-C raises KeyboardInterrupt, so that a half-written copy is removed
+    before the process ends. Left alone where the program handles SIGTERM itself, and outside
+    the main thread (where Python cannot set a handler)."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def terminate(signum, frame):
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def write_then_rename(path: Path, data: bytes) -> None:

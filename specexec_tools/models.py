@@ -20,6 +20,7 @@ import copy
 import numbers
 import os
 import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -181,12 +182,13 @@ def open_model(name) -> Opened:
     model = skeleton(config, folder)  # an unknown activation or rope type: its own error
     try:
         windows = listen_to_layers(config)
-    except UnsupportedModel as err:
+    except SpecExecError as err:  # not supported, or config.json is broken
         raise OffloadError(f"{folder}: {err}") from None
     check_count(config, counts[3], folder)  # the context (context_length)
     checkpoint = Checkpoint(folder)
     checkpoint.name_as(model)  # a mixture's experts: stored one by one, stacked in the model
     check_weights(checkpoint, model)
+    _windows[id(config)] = weakref.ref(config), windows  # every model built from it hears so
     return Opened(folder, config, generation, checkpoint, windows)
 
 
@@ -214,7 +216,7 @@ def skeleton(config, folder: Path, dtype=None) -> torch.nn.Module:
 
 # ---- how far back each layer looks: heard from the layers themselves ----
 
-_windows = weakref.WeakKeyDictionary()  # model -> attention_windows(model)
+_windows = {}  # id(config) -> (a weak reference to the config, attention_windows of it)
 
 
 def attention_windows(model):
@@ -223,11 +225,13 @@ def attention_windows(model):
 
     A tree needs the mask each layer would build for itself, and what a layer does is decided
     by its code, not by the config's fields: a Llama config may carry `sliding_window`, which
-    Llama never applies. So we ask the layers (`listen_to_layers`), once per model: a model
-    loaded from an Opened folder has them already."""
-    if model not in _windows:
-        _windows[model] = listen_to_layers(model.config)
-    return _windows[model]
+    Llama never applies. So we ask the layers (`listen_to_layers`), once per config: a model
+    loaded from an Opened folder (in memory or offloaded) has its config's answer already."""
+    config = model.config
+    known = _windows.get(id(config))
+    if known is None or known[0]() is not config:  # never heard, or another config since
+        _windows[id(config)] = weakref.ref(config), listen_to_layers(config)
+    return _windows[id(config)][1]
 
 
 def listen_to_layers(config):
@@ -254,23 +258,29 @@ def listen_to_layers(config):
     AttentionInterface.register("specexec_listen", listen)
     config = copy.deepcopy(config)  # from_config keeps the config it is given, and edits it
     try:
-        # The cache transformers builds for it says what each layer keeps: a step keeps the
-        # accepted path by gathering its keys and values, which a recurrent state (Mamba,
-        # linear attention) or a compressed one does not hold.
-        for layer, kept in enumerate(DynamicCache(config=config).layers):
-            if type(kept).__name__ not in ("DynamicLayer", "DynamicSlidingWindowLayer"):
-                raise UnsupportedModel(
-                    f"{family} is not supported: layer {layer} keeps a {type(kept).__name__}, "
-                    "not only keys and values: a tree's accepted path cannot be kept"
+        with quiet():  # what transformers says of a probe on meta is no news to a user
+            # The cache transformers builds for it says what each layer keeps: a step keeps the
+            # accepted path by gathering its keys and values, which a recurrent state (Mamba,
+            # linear attention) or a compressed one does not hold.
+            for layer, kept in enumerate(DynamicCache(config=config).layers):
+                if type(kept).__name__ not in ("DynamicLayer", "DynamicSlidingWindowLayer"):
+                    raise UnsupportedModel(
+                        f"{family} is not supported: layer {layer} keeps a {type(kept).__name__}, "
+                        "not only keys and values: a tree's accepted path cannot be kept"
+                    )
+            with torch.device("meta"):  # batched_mm: a mixture's experts as they run on meta
+                model = AutoModelForCausalLM.from_config(
+                    config, experts_implementation="batched_mm"
                 )
-        with torch.device("meta"):  # batched_mm: a mixture's experts as they run on meta
-            model = AutoModelForCausalLM.from_config(config, experts_implementation="batched_mm")
-            model.config._attn_implementation = "specexec_listen"
-            one = torch.zeros(1, 1, dtype=torch.long)  # (1, 1)
-            model(one, attention_mask=given, position_ids=one, **{CACHE: DynamicCache()})
+                model.config._attn_implementation = "specexec_listen"
+                one = torch.zeros(1, 1, dtype=torch.long)  # (1, 1)
+                model(one, attention_mask=given, position_ids=one, **{CACHE: DynamicCache()})
     except UnsupportedModel:
         raise
     except Exception as error:  # what a family raises on meta tensors or a plain cache varies
+        broken = config_fault(config)  # the family runs trees; this config of it runs nothing
+        if broken:
+            raise SpecExecError(f"config.json is broken: {broken}") from None
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise UnsupportedModel(f"{family} is not supported: a tree pass fails ({reason})") from None
     for layer in range(n_layers):
@@ -295,6 +305,50 @@ def listen_to_layers(config):
     if [by_kind.get(kind) for kind in kinds] != windows or len(kinds) != n_layers:
         raise UnsupportedModel(f"{family} is not supported: its layers' windows differ by no type")
     return by_kind
+
+
+def config_fault(config) -> str | None:
+    """What makes a config of a supported family unrunnable, in words naming its field, or None.
+    Asked only once a pass on it failed: what transformers accepts as it reads a config, and
+    then fails on deep in a pass, would otherwise read as a family we do not support."""
+    fields = config.attribute_map  # the names a config answers to -> the field it stores
+    experts = {fields.get(n, n) for n in ("num_local_experts", "num_experts", "n_routed_experts")}
+    for name in sorted(experts):
+        count = getattr(config, name, None)
+        if count is not None and (isinstance(count, bool) or not isinstance(count, int)):
+            return f"{name} is {count!r}, not a count"
+        if count is not None and count < 1:
+            return f"{name} is {count}: a mixture of no experts"
+        per_token = getattr(config, "num_experts_per_tok", None)
+        if count is not None and isinstance(per_token, int) and per_token > count:
+            return f"num_experts_per_tok is {per_token}, more than its {name} ({count})"
+        if count is not None and isinstance(per_token, int) and per_token < 1:
+            return f"num_experts_per_tok is {per_token}: no expert for a token"
+    sliding = sorted(
+        {kind for kind in getattr(config, "layer_types", None) or [] if "sliding" in kind}
+    )
+    if sliding and getattr(config, "sliding_window", 0) is None:
+        return f"sliding_window is null, yet layer_types has {sliding[0]} layers"
+    return None
+
+
+@contextmanager
+def quiet():
+    """transformers' logging and Python's warnings held back: what a run of ours on the meta
+    device makes transformers say (a recurrent family's kernels, say) is not about the user's
+    model, and would print before the one line that refuses it."""
+    import warnings
+
+    from transformers.utils import logging
+
+    level = logging.get_verbosity()
+    logging.set_verbosity(logging.CRITICAL + 1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        logging.set_verbosity(level)
 
 
 # ---- the pair and the prompt, before any weight is read ----
@@ -378,7 +432,10 @@ def prompt_tokens(input_ids, limit, **models):
         raise SpecExecError(f"input_ids must be (n,) or (1, n), got shape {tuple(ids.shape)}")
     if ids.numel() and (ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool):
         raise SpecExecError(f"input_ids must be integer token ids, got {ids.dtype}")
-    seq = ids.reshape(-1).tolist()
+    try:  # a meta tensor (or another without data) has shape and dtype but no values
+        seq = ids.reshape(-1).tolist()
+    except (NotImplementedError, RuntimeError) as error:
+        raise SpecExecError(f"input_ids holds no values to read ({one_line(error)})") from None
     check_prompt(seq, limit)
     for role, model in models.items():
         vocab = model.config.vocab_size
@@ -514,7 +571,7 @@ def check_weights(ckpt: Checkpoint, model: torch.nn.Module) -> None:
 def load_weights(opened: Opened, model, device, dtype, layers=True) -> None:
     """Give `model` (a skeleton of `opened`) the checkpoint's tensors on `device` in `dtype`:
     all of them, or with layers=False all but the decoder layers' (offload.py streams those).
-    The model keeps the folder's generation config and the attention windows heard at open."""
+    The model keeps the folder's generation config."""
     ckpt = opened.checkpoint
     tied = ties_head(model)
     # Buffers (rotary frequencies, Gemma's embedding scale) are computed, not stored: give them
@@ -535,7 +592,6 @@ def load_weights(opened: Opened, model, device, dtype, layers=True) -> None:
         model.lm_head.weight = model.model.embed_tokens.weight
     if opened.generation_config is not None:
         model.generation_config = opened.generation_config
-    _windows[model] = opened.windows
     model.requires_grad_(False).eval()
 
 
