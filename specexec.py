@@ -84,7 +84,9 @@ class Options:
     top_k: int = option(0, "sample from the k most likely (0 = off)")
     seed: int | None = option(None, "random seed for sampling (default: a fresh one)")
     draft_threads: int | None = option(
-        1, "CPU threads for the draft's passes (0: torch's setting); output is unchanged"
+        None,
+        "CPU threads for the draft's passes (default: 1 for a small draft, torch's setting for "
+        "one of 50M parameters or more; 0: torch's setting); output is unchanged",
     )
     draft_temperature: float | None = option(
         None,
@@ -483,7 +485,7 @@ def speculative_step(run, seq, budget, max_depth):
     """One SpecExec step: draft tree, ONE target pass, acceptance, both caches cut to the path.
     Returns a `Step`; its tokens are the accepted path's and the bonus."""
     start = time.perf_counter()
-    with timer(run.draft.device) as draft_s, cpu_threads(run.opts.draft_threads, run.draft.device):
+    with timer(run.draft.device) as draft_s, cpu_threads(draft_threads(run), run.draft.device):
         tree = grow_tree(run, seq, budget, max_depth)
         nodes = tree.best()
     n_fed = len(seq) - run.target_cache.get_seq_length() + len(nodes)  # trunk and tree
@@ -770,6 +772,18 @@ def timer(device):
     yield lambda: seconds[0]
     sync()
     seconds.append(time.perf_counter() - start)
+
+
+def draft_threads(run):
+    """The draft's CPU threads: as given; by default one for a small draft, whose pass is a few
+    small matmuls that more threads only slow down on a busy CPU (docs/results.md), and torch's
+    setting (0) for a big one (a real model's layers, the target's own int4 copy). Its size from
+    its config: an offloaded self-draft holds its layers outside `parameters()`."""
+    if run.opts.draft_threads is not None:
+        return run.opts.draft_threads
+    c = run.draft.config
+    size = 12 * c.hidden_size**2 * c.num_hidden_layers + c.vocab_size * c.hidden_size
+    return 1 if size < 50e6 else 0
 
 
 @contextmanager

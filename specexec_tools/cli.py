@@ -1,20 +1,13 @@
-"""The command line: `python specexec.py` (or the `specexec` command once installed).
-
-One run, top-down: parse the flags into specexec.Options -> open and check both model folders
-(models.open_model) -> tokenize -> check the pair and the prompt (models.preflight), all before
-any weight is read -> load (in memory, offloaded, or the target's own quantized copy as draft)
--> specexec.generate, streaming -> print the summary. With no flags it runs the project's own
-pair on a held-out code prompt.
-
-Every bad input ends the same way: one line `error: ...` on stderr, exit status 2, no traceback,
-and nothing written; so does an output that cannot be written (a full disk, a closed stdout).
-Ctrl-C exits with 130, a closed pipe (`| head`) quietly.
+"""The command line: `python specexec.py` (or `specexec` once installed), top-down as it runs:
+flags -> specexec.Options -> both folders opened and checked, the prompt tokenized and checked
+(models.py), before any weight is read -> load -> specexec.generate, streaming -> the summary.
+Every bad input is one line `error: ...` on stderr, exit status 2, no traceback, nothing written
+(an output that cannot be written too); Ctrl-C exits with 130, a closed pipe (`| head`) quietly.
 """
 
 import argparse
 import math
 import os
-import shutil
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
@@ -22,6 +15,7 @@ from pathlib import Path
 try:  # torch takes seconds to import: Ctrl-C meanwhile exits as it does later, quietly
     import torch
     from tqdm import tqdm
+    from transformers.utils import logging as transformers_logging
 
     import offload
     import specexec
@@ -36,10 +30,9 @@ RESET = "\033[0m"
 
 
 NOT_THE_REGIME = (
-    "(not SpecExec's regime: with the target {where}, a pass over a tree costs more than a "
-    "one-token pass. It pays where the weights stream over a slow link: `python -m "
-    "scripts.bench_disk --grow-to big-target`, then `python specexec.py --target big-target "
-    "--offload ssd --compare`)"
+    "(not SpecExec's regime: with the target {where}, a tree's pass costs more than one token's."
+    " It pays where weights stream over a slow link: `python -m scripts.bench_disk --grow-to "
+    "big-target`, then `python specexec.py --target big-target --offload ssd --compare`)"
 )
 
 
@@ -141,30 +134,30 @@ def run(args):
     if args.threads:
         torch.set_num_threads(args.threads)
     if not args.verbose:  # no per-tensor progress bars and load reports
-        from transformers.utils import logging
-
-        logging.disable_progress_bar()
-        logging.set_verbosity_error()
+        transformers_logging.disable_progress_bar()
+        transformers_logging.set_verbosity_error()
 
     # Everything is checked before any weight is read.
     self_draft = args.draft in quantize.KINDS  # the target's own copy: its tokenizer too
     target = models.model_name(args.target, "--target")
     draft = self_draft or models.model_name(args.draft, "--draft")
-    prompt = args.prompt
-    if prompt is None and not args.chat:
-        prompt = models.default_prompt(args.prompt_index)
+    prompt = args.prompt  # a chat's first turn, if given
+    prompt = (
+        models.default_prompt(args.prompt_index) if prompt is None and not args.chat else prompt
+    )
     target = models.open_model(target)
     draft = target if self_draft else models.open_model(draft)
     tokenizers = [models.load_tokenizer(target.folder)]
     tokenizers.append(tokenizers[0] if self_draft else models.load_tokenizer(draft.folder))
-    input_ids = prompt and models.tokenize(tokenizers[0], prompt, args.chat_template, target.folder)
+    input_ids = None  # a chat without --prompt: its turns come later
+    if prompt is not None:
+        input_ids = models.tokenize(tokenizers[0], prompt, args.chat_template, target.folder)
     seq, _, eos = models.preflight(target, draft, input_ids, None, tokenizers)
 
     dtype = torch.float32 if args.dtype == "auto" and device.type == "cpu" else None
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else dtype  # None: the checkpoint's
     if args.offload_clean:  # a copy it could not remove: refused now, not after the run
-        own = target.checkpoint
-        check_removable(own, dtype or own.dtype, args.quantize, args.offload_dir)
+        check_removable(target.checkpoint, dtype, args.quantize, args.offload_dir)
     largest = 1024 if opts.budget == "auto" else opts.budget  # cost_model.CostModel.BUDGETS[-1]
     context = None if args.chat else len(seq) + opts.max_new_tokens + largest + 1  # the KV cache
     loaded = []
@@ -178,11 +171,12 @@ def run(args):
         else:
             report(*loaded, tokenizers[0], seq, list(eos), args, opts, device)
     finally:
-        for model in loaded:
-            if isinstance(model, offload.OffloadedCausalLM):
-                model.close()
-        if loaded and args.offload:
-            clean_offload(loaded[0], args.offload_clean)
+        for model in loaded:  # an offloaded one gives back its files, thread and pinned memory
+            getattr(model, "close", lambda: None)()
+        said = loaded and args.offload and loaded[0].converted_copy(args.offload_clean)
+        if said:  # where the ssd tier's converted copy is, or that --offload-clean removed it
+            hint = "" if args.offload_clean else "; --offload-clean removes it"
+            print(f"offload: {said}{hint}", file=sys.stderr)
 
 
 def load(opened, role, args, device, dtype, context):
@@ -217,16 +211,8 @@ def report(target, draft, tokenizer, seq, eos, args, opts, device):
     )
     print("\n\n" + dim(f"specexec: {stats.summary()}"))
     if args.offload:
-        last = target.stats  # the last target pass
-        rate = f" ({last.gb_per_s:.2f} GB/s)" if last.bytes_moved > 1e8 else ""
-        print(
-            dim(
-                f"offload ({args.offload}): {last.resident_layers} of "
-                f"{target.config.num_hidden_layers} layers resident; the last target pass moved "
-                f"{last.bytes_moved / 1e6:,.1f} MB in {last.pass_s:.3f}s{rate}, {last.wait_s:.3f}s of "
-                f"it waiting for weights"
-            )
-        )
+        layers = target.config.num_hidden_layers
+        print(dim(f"offload ({args.offload}): {target.stats.summary(layers)}"))
     if not args.compare:
         return
     # plain decoding can take minutes: on a terminal, a line says how far it is (nothing in a pipe)
@@ -254,7 +240,6 @@ def report(target, draft, tokenizer, seq, eos, args, opts, device):
 
 def check_flags(args, opts):
     """Flags that only make sense together, and output that cannot take a model's text."""
-    cores = os.cpu_count() or 1
     # fmt: off
     for wrong, message in [
         (args.offload_clean and args.offload != "ssd",
@@ -266,7 +251,8 @@ def check_flags(args, opts):
         (args.chat and args.compare, "--chat and --compare: compare a one-prompt run instead"),
         (args.compare and opts.max_new_tokens == 0,
          "--compare times decoding: give it --max-new-tokens of at least 1"),
-        ((args.threads or 0) > cores, f"--threads {args.threads}: this machine has {cores} cores"),
+        ((args.threads or 0) > (cores := os.cpu_count() or 1),
+         f"--threads {args.threads}: this machine has {cores} cores"),
     ]:  # fmt: on
         if wrong:
             raise SpecExecError(message)
@@ -295,23 +281,6 @@ class Streamer:
             return
         print(text[self.printed :], end="", flush=True)
         self.printed = len(text)
-
-
-def clean_offload(target, remove):
-    """Say where a converted copy of the checkpoint is, or remove it."""
-    folder = getattr(target, "converted_folder", None)  # None: read the checkpoint in place
-    if folder is None or not folder.exists():
-        return
-    if not remove:
-        size = sum(f.stat().st_size for f in folder.iterdir()) / 1e9
-        say = f"a converted copy ({size:.2f} GB) stays in {folder} for the next run; "
-        return print(f"offload: {say}--offload-clean removes it", file=sys.stderr)
-    try:
-        shutil.rmtree(folder)
-    except OSError as error:
-        why = f"{error.strerror or error}: {error.filename}"
-        raise SpecExecError(f"--offload-clean: cannot remove the converted copy {folder} ({why})")
-    print(f"offload: removed the converted copy {folder}", file=sys.stderr)
 
 
 # ---- entry point ----
@@ -349,7 +318,3 @@ def fail(message):
 def drop_stdout():
     """Send what stdout still holds to /dev/null, so that exiting does not fail on it again."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-
-
-if __name__ == "__main__":
-    main()
