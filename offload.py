@@ -56,8 +56,8 @@ from specexec_tools import models
 from specexec_tools import quantize as quant
 from specexec_tools.checkpoint import OffloadError
 
-# Layer buffers and the ranges read into them start on page boundaries: any dtype can view the
-# bytes there, and O_DIRECT reads (whole, aligned pages) can land there.
+# Layer buffers, the ranges read into them and the tensors `pack` lays out start on pages: any
+# dtype can view them, O_DIRECT reads land there, and matmul kernels find them aligned.
 PAGE = 4096
 
 
@@ -119,9 +119,7 @@ class Cuda(Cpu):
         self.streams = {name: torch.cuda.Stream(device) for name in ("copy", "dequant")}
 
     def stream(self, name: str) -> torch.cuda.Stream:
-        return (
-            self.streams[name] if name in self.streams else torch.cuda.current_stream(self.device)
-        )
+        return self.streams.get(name) or torch.cuda.current_stream(self.device)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         buffer = page_aligned(nbytes, torch.device("cpu"))  # (nbytes,)
@@ -198,12 +196,12 @@ class Layout:
         return out
 
 
-def pack(tensors: dict[str, torch.Tensor]) -> Layout:
-    """Tensors (meta ones will do) end to end at aligned offsets: the layout of one RAM buffer."""
+def pack(tensors: dict) -> Layout:
+    """Tensors (meta, or files.Entry) end to end, each on a page: a RAM or staged slot's layout."""
     specs, offset = {}, 0
     for name, tensor in tensors.items():
         specs[name] = TensorSpec(offset, tensor.dtype, tuple(tensor.shape))
-        offset += round_up(tensor.nbytes)
+        offset += round_up(torch.Size(tensor.shape).numel() * tensor.dtype.itemsize)
     return Layout(specs, offset)
 
 
@@ -297,24 +295,32 @@ def plan_reads(entries: dict[str, files.Entry]) -> tuple[Layout, list[Read]]:
 
 
 class DiskStorage(Storage):
-    """Layers stay in safetensors files; a layer is a few preads, through staging or direct.
+    """Layers stay in safetensors files; a layer is a few preads, two in flight (an SSD serves a
+    queue faster than one read), straight into the slot or through staging.
 
-    Where the device cannot read host memory, reads land in a few pinned staging chunks: while
-    chunk k copies to the device the next one is read, so disk and copy engine overlap; chunk k
-    is read into again only after its last copy finished, the one wait that blocks the host.
+    Where the device cannot read host memory, reads land in a few pinned staging chunks, copied on
+    tensor by tensor to where `pack` puts each, so disk and copy engine overlap; chunk k is read
+    into again only after its last copy finished, the one wait that blocks the host. Read straight
+    into host memory (O_DIRECT: whole pages), tensors keep their file's alignment (CPUs don't mind).
     """
+
+    piece_nbytes = 32 * 2**20  # the most one pread asks for (through staging: a chunk)
 
     def __init__(self, layers: list[dict[str, files.Entry]], ops, nbytes: int | None = None):
         self.layouts, self.reads = zip(*(plan_reads(entries) for entries in layers), strict=True)
+        self.entries = layers  # name -> where in its file, per layer
+        if ops.staging:  # copied on from staging: each tensor where `pack` puts it
+            self.layouts = [pack(entries) for entries in layers]
         self.nbytes = nbytes or super().slot_nbytes()  # a slot as planned, before the files were
         assert super().slot_nbytes() <= self.nbytes, "a layer's reads outgrow the planned slot"
         self.ops, self.fds, self.chunks = ops, {}, []  # what close() gives back, however far
+        self.pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="offload-disk")
         try:  # __init__ got before failing
             for path in {read.path for reads in self.reads for read in reads}:
                 self.fds[path] = files.open_direct(path)
-            count, self.chunk_nbytes = ops.staging or (0, 0)
+            count, self.piece_nbytes = ops.staging or (0, self.piece_nbytes)
             for _ in range(count):
-                self.chunks.append(ops.host_buffer(self.chunk_nbytes))  # (chunk,)
+                self.chunks.append(ops.host_buffer(self.piece_nbytes))  # (chunk,)
         except BaseException:
             self.close()
             raise
@@ -326,25 +332,44 @@ class DiskStorage(Storage):
 
     def load(self, layer: int, slot: torch.Tensor, ops):
         """Read a layer into `slot` (page-aligned): straight in, or chunk by chunk via staging."""
-        for read in self.reads[layer]:
-            fd, rounded = self.fds[read.path], round_up(read.nbytes)
-            if not self.chunks:  # the slot is host memory: the disk writes straight into it
-                target = slot[read.buffer_offset : read.buffer_offset + rounded]
-                files.pread_into(fd, target, read.file_offset, read.path, read.nbytes)
-                continue
-            for start in range(0, read.nbytes, self.chunk_nbytes):
-                size = min(self.chunk_nbytes, rounded - start)  # whole pages
-                k, self.next = self.next, (self.next + 1) % len(self.chunks)
-                if self.copied[k] is not None:  # its last copy may still be reading it
-                    ops.host_wait(self.copied[k])
-                chunk, offset = self.chunks[k][:size], read.file_offset + start
-                files.pread_into(fd, chunk, offset, read.path, min(size, read.nbytes - start))
-                target = slot[read.buffer_offset + start :][:size]
-                ops.copy(target, chunk)  # on the copy stream, while the next chunk is read
-                self.copied[k] = ops.record("copy")
+        most = self.piece_nbytes  # each range in pieces of whole pages, one pread each
+        pieces = [Read(r.path, r.file_offset + s, min(most, r.nbytes - s), r.buffer_offset + s)
+                  for r in self.reads[layer] for s in range(0, r.nbytes, most)]  # fmt: skip
+        reading = deque()  # (piece, its staging chunk k or None, its pread), oldest first
+        try:
+            for piece in pieces:
+                k = None  # no staging chunk: the disk writes straight into the slot
+                if self.chunks:  # the device reads no host memory: through staging chunk k
+                    if len(reading) == min(2, len(self.chunks)):  # the oldest read's chunk goes on
+                        self.copy_on(layer, slot, *reading.popleft(), ops)
+                    k, self.next = self.next, (self.next + 1) % len(self.chunks)
+                    if self.copied[k] is not None:  # its last copy may still be reading it
+                        ops.host_wait(self.copied[k])
+                into = self.chunks[k] if self.chunks else slot[piece.buffer_offset :]
+                into = into[: round_up(piece.nbytes)]  # whole pages, as O_DIRECT reads them
+                args = self.fds[piece.path], into, piece.file_offset, piece.path, piece.nbytes
+                reading.append((piece, k, self.pool.submit(files.pread_into, *args)))
+            while reading:
+                self.copy_on(layer, slot, *reading.popleft(), ops)
+        finally:  # after a failed read, no other still writes into a chunk or the slot
+            concurrent.futures.wait([pread for *_, pread in reading])
         return ops.record("copy")
 
+    def copy_on(self, layer: int, slot: torch.Tensor, piece: Read, k, pread, ops) -> None:
+        """Once `piece` is in: from staging chunk k, each tensor's bytes in it to its slot place."""
+        pread.result()
+        if k is None:  # it was read straight into the slot
+            return
+        lo, hi = piece.file_offset, piece.file_offset + piece.nbytes  # where the chunk's bytes were
+        for name, entry in self.entries[layer].items():
+            start, end = max(entry.start, lo), min(entry.end, hi)
+            if entry.path == piece.path and start < end:
+                at = self.layouts[layer].tensors[name].offset + start - entry.start
+                ops.copy(slot[at : at + end - start], self.chunks[k][start - lo : end - lo])
+        self.copied[k] = ops.record("copy")  # on the copy stream, while the next reads run
+
     def close(self) -> None:
+        self.pool.shutdown()  # reads in flight finish before their files close
         for fd in self.fds.values():
             os.close(fd)
         for chunk in self.chunks:
@@ -723,8 +748,8 @@ def from_pretrained(
     # sizes from the config and the headers alone: the budget is refused or met before anything
     # is read, pinned or converted
     stored = quant.stored_layer(shapes, dtype, quantize)  # meta: what storage keeps of a layer
-    moved = pack(stored).nbytes  # ram: a layer's region of the arena
-    if mode == "ssd":  # read as its file holds it: a converted copy, or the checkpoint in place
+    moved = pack(stored).nbytes  # ram, or ssd through staging: the tensors as pack lays them
+    if mode == "ssd" and not ops.staging:  # straight in: a converted copy, or the checkpoint's
         # a copy is one file, its tensors end to end after a header that ends in the first page
         moved = round_up(sum(t.nbytes for t in stored.values())) + PAGE
         in_place = [{n: ckpt.entries.get(f"model.layers.{i}.{n}") for n in shapes}

@@ -281,7 +281,7 @@ def grow_tree(run, seq, budget, max_depth):
     trunk = seq[cache.get_seq_length() :]
     if max(trunk) >= draft.config.vocab_size:  # the prompt was checked, the target's picks not
         raise SpecExecError(f"the target chose token id {max(trunk)}, which the draft lacks")
-    logits = tree_forward(draft, cache, trunk, chain(len(trunk)))  # (len(trunk), vocab)
+    logits = tree_forward(draft, cache, trunk, chain(len(trunk)), keep=1)  # (1, vocab)
     tree = DraftTree(tokens=[seq[-1]], parents=[-1], cum_logprob=[0.0], depth=[0], budget=budget)
     tree.draft_passes = 1
     temperature = opts.tree_temperature()
@@ -369,8 +369,10 @@ def chain(n):
     return list(range(-1, n - 1))
 
 
-def tree_forward(model, cache, tokens, parents):
-    """Run new `tokens` after the cache, as the last nodes of the tree `parents`; their logits.
+def tree_forward(model, cache, tokens, parents, keep=0):
+    """Run new `tokens` after the cache, as the last nodes of the tree `parents`; the logits of
+    the last `keep` of them (0: all). A prompt's rows are never read: the head over them would
+    cost as much as a few layers (a 49k-token vocabulary) and its logits hundreds of MB.
 
     One call serves the prompt (a chain), each draft pass and the target's verification.
     `parents` may start with tree nodes fed earlier, which are then the last entries of the
@@ -391,8 +393,9 @@ def tree_forward(model, cache, tokens, parents):
         position_ids=positions,  # (1, n)
         **{CACHE: cache},  # past_key_values= before transformers 5.24
         use_cache=True,
+        logits_to_keep=keep,
     )
-    return out.logits[0]  # (n, vocab)
+    return out.logits[0]  # (keep or n, vocab)
 
 
 # ---- verification and acceptance ----
@@ -404,8 +407,7 @@ def verify(target, cache, seq, tree, nodes):
     # After the trunk, local parent -1 (the root) lands on the trunk's last token.
     parents = chain(len(trunk)) + [len(trunk) + i for i in tree.local_parents(nodes)]
     tokens = trunk + [tree.tokens[node] for node in nodes]
-    logits = tree_forward(target, cache, tokens, parents)  # (len(trunk) + len(nodes), vocab)
-    return logits[len(trunk) - 1 :]  # (1 + len(nodes), vocab): root first, then nodes
+    return tree_forward(target, cache, tokens, parents, keep=1 + len(nodes))  # root, then nodes
 
 
 def accept(tree, nodes, logits, opts, rng):
@@ -519,8 +521,8 @@ def plain_step(run, seq, budget=0, max_depth=0):
     start = time.perf_counter()
     with timer(run.target.device) as target_s:
         trunk = seq[run.target_cache.get_seq_length() :]
-        logits = tree_forward(run.target, run.target_cache, trunk, chain(len(trunk)))
-        check_finite(logits[-1], "target")  # logits: (len(trunk), vocab)
+        logits = tree_forward(run.target, run.target_cache, trunk, chain(len(trunk)), keep=1)
+        check_finite(logits[-1], "target")  # logits: (1, vocab)
         tokens = [pick(logits[-1], run.opts, run.rng)]
     return Step(tokens, 0, 0, len(trunk), target_s=target_s(), total_s=time.perf_counter() - start)
 

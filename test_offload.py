@@ -10,6 +10,7 @@ are late-running worker threads; a last section runs only where CUDA is availabl
 import contextlib
 import copy
 import errno
+import itertools
 import math
 import os
 import random
@@ -463,36 +464,84 @@ def test_bin_checkpoint(tmp_path, mode):
 # ---- storage: one read per contiguous byte range ----
 
 
+class Staged(offload.Cpu):
+    """The CPU, with its slots taken for device memory: disk reads pass through `staging`
+    chunks (count, bytes each) and are copied on from there, as on CUDA."""
+
+    def __init__(self, staging):
+        self.staging = staging
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     tensors=st.lists(
         st.tuples(
-            st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), st.integers(1, 40)
+            st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), st.integers(1, 3000)
         ),
         min_size=1,
         max_size=8,
     ),
+    staging=st.sampled_from([None, (1, offload.PAGE), (2, offload.PAGE), (3, 2 * offload.PAGE)]),
     data=st.data(),
 )
-def test_planned_reads_give_what_safetensors_loads(tensors, data):
-    """Any subset of a file's tensors, read through DiskStorage, equals what safetensors loads."""
+def test_planned_reads_give_what_safetensors_loads(tensors, staging, data):
+    """Any subset of a file's tensors, read through DiskStorage in preads of a page or two
+    (straight into the slot, or through staging chunks), equals what safetensors loads; through
+    staging, every tensor starts on a page, wherever its file had it."""
     from safetensors.torch import load_file, save_file
 
     written = {f"t{k}": torch.randn(n).to(dtype) for k, (dtype, n) in enumerate(tensors)}
     wanted = data.draw(st.lists(st.sampled_from(sorted(written)), min_size=1, unique=True))
-    with tempfile.TemporaryDirectory() as folder:
+    ops = Staged(staging) if staging else offload.Cpu()
+    with (
+        tempfile.TemporaryDirectory() as folder,
+        unittest.mock.patch.object(offload.DiskStorage, "piece_nbytes", offload.PAGE),
+    ):
         path = Path(folder) / "f.safetensors"
         save_file(written, path)
         entries = checkpoint.read_header(path)
-        storage = offload.DiskStorage([{name: entries[name] for name in wanted}], offload.Cpu())
-        slot = offload.page_aligned(storage.layouts[0].nbytes, torch.device("cpu"))  # as the ring
-        storage.load(0, slot, offload.Cpu())
+        storage = offload.DiskStorage([{name: entries[name] for name in wanted}], ops)
+        slot = offload.page_aligned(storage.slot_nbytes(), torch.device("cpu"))  # as the ring
+        storage.load(0, slot, ops)
         got = storage.layouts[0].views(slot)
         storage.close()
         expected = load_file(path)
     assert len(storage.reads[0]) <= len(wanted)
     for name in wanted:
         assert torch.equal(got[name], expected[name])
+        assert not staging or got[name].data_ptr() % offload.PAGE == 0
+
+
+@pytest.mark.parametrize("staging", [None, (2, offload.PAGE)])
+def test_the_ssd_tier_keeps_two_reads_in_flight(tmp_path, monkeypatch, staging):
+    """A layer read in preads of a page (straight into the slot, or through two staging
+    chunks): the first two are both issued before either returns, since each waits for the
+    other, and the bytes land as safetensors has them."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "layer.safetensors"
+    save_file({"w": torch.randn(64, 50), "norm": torch.randn(50).half()}, path)  # pages of it
+    monkeypatch.setattr(offload.DiskStorage, "piece_nbytes", offload.PAGE)
+    both, calls, pread_into = (
+        threading.Barrier(2, timeout=5),
+        itertools.count(),
+        checkpoint.pread_into,
+    )
+
+    def paired(*args):
+        if next(calls) < 2:  # alone, the first waits 5 s and fails with BrokenBarrierError
+            both.wait()
+        return pread_into(*args)
+
+    monkeypatch.setattr(checkpoint, "pread_into", paired)
+    ops = Staged(staging) if staging else offload.Cpu()
+    storage = offload.DiskStorage([checkpoint.read_header(path)], ops)
+    slot = offload.page_aligned(storage.slot_nbytes(), torch.device("cpu"))
+    storage.load(0, slot, ops)
+    storage.close()
+    got, expected = storage.layouts[0].views(slot), load_file(path)
+    assert next(calls) > 2 and got.keys() == expected.keys()
+    assert all(torch.equal(got[name], expected[name]) for name in got)
 
 
 # ---- the ring: never more than `buffers` layers on the device ----
@@ -733,8 +782,8 @@ def test_ring_ordering_on_a_fake_device(
     fake = FakeDevice(seed, (staging[0], staging[1] * offload.PAGE), oracle, fail_at)
     options = {"mode": mode, "buffers": buffers, "quantize": kind, "context": CONTEXT}
     options |= {"offload_dir": f"{folder}-offloaded"}
-    if resident:
-        options |= memory_for(resident, folder, oracle, {**options, "device": "cpu"})
+    if resident:  # sized on a device that stages its reads as the fake does
+        options |= memory_for(resident, folder, oracle, {**options, "device": Staged(fake.staging)})
     model = offload.from_pretrained(folder, **options, device=fake)
     all_fit = resident + min(buffers, 3 - resident) >= 3  # the ring's slots would hold the rest
     assert len(model.ring.kept) == (3 if resident and all_fit else resident)
@@ -758,6 +807,34 @@ def test_ring_ordering_on_a_fake_device(
     if mode == "ram":  # the host blocked once per pass, at its end, never per layer
         assert fake.host_waits == 3
     assert all(fake.copied[slot] == copies > 0 for slot, copies in built.items())
+
+
+@pytest.mark.parametrize("kind", [None, "int8", "int4"])
+@pytest.mark.parametrize("device, mode", [("cpu", "ram"), ("staged", "ram"), ("staged", "ssd")])
+def test_every_tensor_bound_starts_on_a_page(
+    quant_checkpoints, tmp_path, monkeypatch, device, mode, kind
+):
+    """Each tensor bound into a decoder layer, resident or streamed, quantized or not, starts on
+    a page, as matmul kernels want it: also one read from safetensors, where it starts only
+    8-byte aligned, on a device whose reads pass through staging. (On the CPU the ssd tier
+    reads straight into the slot, by O_DIRECT, and a tensor keeps its file's offset.)"""
+    folder, oracle = quant_checkpoints["llama"]
+    offsets, bind = [], offload.bind  # of each tensor bound, from the start of its page
+
+    def recording(layer, tensors):
+        offsets.extend(t.data_ptr() % offload.PAGE for t in tensors.values() if not t.is_meta)
+        bind(layer, tensors)
+
+    monkeypatch.setattr(offload, "bind", recording)
+    ops = Staged((2, offload.PAGE)) if device == "staged" else offload.Cpu()
+    options = {"mode": mode, "quantize": kind, "buffers": 1, "context": CONTEXT, "device": ops}
+    options |= {"offload_dir": tmp_path}
+    options |= memory_for(1, folder, oracle, options)
+    with offload.from_pretrained(folder, **options) as model:  # one layer resident, two streamed
+        model(torch.randint(97, (1, 3)))
+    per_layer = len(list(oracle.model.layers[0].parameters()))
+    assert len(model.ring.kept) == 1 and len(offsets) == 3 * per_layer
+    assert set(offsets) == {0}
 
 
 def test_pass_times_are_the_devices():
@@ -907,6 +984,40 @@ def test_quantize_as_a_plain_loop_does(kind):
     assert levels.dtype == (torch.uint8 if kind == "int4" else torch.int8)
     weights = [[v * s[c // size] for c, v in enumerate(r)] for r, s in zip(q, scales)]
     assert quantize.dequantize(levels, scale, kind).tolist() == weights
+
+
+@pytest.mark.parametrize("kind", quantize.KINDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_dequantize_writes_only_into_its_output(kind, dtype):
+    """Every tensor an operation of dequantize returns lies in `out` (or in its inputs): torch
+    is asked for no temporary, int4's nibbles included (on the CPU, TensorIterator still casts
+    through a buffer of its own, below what this sees). The weights equal the plain arithmetic,
+    (q as dtype) * scale, bit for bit, on uneven shapes and on stacked experts' rows."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    generator = torch.Generator().manual_seed(0)
+    for shape in [(1, 64), (3, 192), (2, 5, 128)]:
+        weight = torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
+        levels, scale = quantize.quantize(weight, kind, dtype)
+        out = torch.empty_like(weight)  # (..., in): as a slot's weight, experts stacked
+        ours = {t.untyped_storage().data_ptr() for t in (out, levels, scale)}
+        fresh = []  # (operation, bytes) of each tensor returned outside those
+
+        class Fresh(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                result = func(*args, **(kwargs or {}))
+                for t in result if isinstance(result, (tuple, list)) else [result]:
+                    if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in ours:
+                        fresh.append((func, t.nbytes))
+                return result
+
+        with Fresh():
+            quantize.dequantize(levels, scale, kind, out=out)
+        assert fresh == []
+        q = quantize.unpack_nibbles(levels).int() - 8 if kind == "int4" else levels.int()
+        size = quantize.GROUP if kind == "int4" else shape[-1]  # inputs per scale
+        expected = q.to(dtype) * scale.view(q.shape[0], -1).repeat_interleave(size, dim=1)
+        assert torch.equal(out.view_as(expected), expected)
 
 
 def quant_config(family):

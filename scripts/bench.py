@@ -6,22 +6,15 @@
     python -m scripts.bench --drafts --prompts 4 --tokens 64 --budgets 16,64,256,1024
                                              # distilled draft vs the target's int8/int4 copies
 
-Rows, each on every prompt before the next prompt (a busy moment hits every row alike), after
-one warm-up of each method: plain decoding of the target; Hugging Face assisted generation with
-the same pair (a chain of draft tokens, HF's own code); a chain verified by this project's code
-(width 1, branch 1, the same depth); SpecExec at each budget. Both models' forward passes are
-metered, so every row counts target passes and splits its time the same way: draft passes /
-target passes / everything else. Greedy rows are checked token for token against greedy
-decoding, sampled rows against plain sampling with the same seed. A table per setting: greedy,
-sampled, and each of --threads.
-
---drafts replaces the peers: SpecExec at each budget with three drafts of the same target, the
-distilled default draft and the target's own int8 and int4 copies (offload.self_draft, every
-layer resident).
+Rows, each on every prompt before the next prompt, after one warm-up each: plain decoding; Hugging
+Face assisted generation with the same pair; a chain as deep, verified by this project's code;
+SpecExec at each budget (--drafts: instead of the peers, with the distilled draft and with the
+target's own int8 and int4 copies). Rows are checked token for token against plain decoding with
+the same seed (HF's sampled rows draw their own); a table per setting (greedy, sampled, each of
+--threads). docs/results.md reads them.
 """
 
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -32,13 +25,12 @@ from specexec import option
 from specexec_tools import models
 
 
-# Fields in specexec.Options' form, option(default, help): other options, alike in shape only.
 @dataclass
 class BenchConfig:
     """The run's defaults, written once; the command line reads them (`--help`)."""
 
-    target: str = option(str(common.HERE / "models" / "target"), "target model folder")
-    draft: str = option(str(common.HERE / "models" / "draft"), "draft model folder")
+    target: str = option(common.TARGET, "target model folder")
+    draft: str = option(common.DRAFT, "draft model folder")
     prompts: int = option(6, "held-out prompts per row")
     tokens: int = option(96, "new tokens per prompt")
     budgets: str = option("1,16,64,256,1024,auto", "SpecExec budgets, comma-separated")
@@ -100,32 +92,27 @@ def rows_at(cfg, setting, target, hf_target, drafts, prompt_ids, eos, sampled):
 
 
 def main(argv=None):
-    from transformers import AutoTokenizer
     from transformers.utils import logging
 
     cfg = common.read_config(BenchConfig, __doc__, argv)
     logging.set_verbosity_error()  # HF's notes on generation arguments, once per call
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, cfg.dtype)
+    loading = dict(device=device, dtype=getattr(torch, cfg.dtype))
     if cfg.offload:  # the ssd tier reads a per-layer copy in `dtype`, kept as the CLI keeps it
-        copies = Path.home() / ".cache" / "specexec" / "offload"
-        options = dict(mode=cfg.offload, device=device, dtype=dtype, offload_dir=copies)
-        target = offload.from_pretrained(cfg.target, **options)
+        streamed = dict(mode=cfg.offload, offload_dir=common.COPIES)
+        target = offload.from_pretrained(cfg.target, **streamed, **loading)
     else:
-        target = models.load(cfg.target, device, dtype)
-    drafts = {"distilled": models.load(cfg.draft, device, dtype)}
-    if cfg.drafts:
-        for kind in ("int8", "int4"):
-            copy = offload.self_draft(cfg.target, kind, device=device, dtype=dtype)
-            drafts[f"target's {kind} copy"] = copy
+        target = models.load(cfg.target, **loading)
+    drafts = {"distilled": models.load(cfg.draft, **loading)}
+    for kind in ("int8", "int4") if cfg.drafts else ():
+        drafts[f"target's {kind} copy"] = offload.self_draft(cfg.target, kind, **loading)
     for model in (target, *drafts.values()):
         model.meter = common.Meter(model)
     # HF's generate lives on the Hugging Face model; an offloaded target wraps one, whose
     # forward must then be the offloaded (and metered) one.
     hf_target = getattr(target, "hf", target)
     hf_target.forward = target.forward
-    tokenizer = AutoTokenizer.from_pretrained(cfg.target)
-    prompt_ids = common.held_out_prompts(tokenizer, cfg.prompts)
+    prompt_ids, eos = common.held_out_prompts(cfg.target, cfg.prompts)
     where = f"offloaded: {cfg.offload}" if cfg.offload else "in memory"
     print(f"machine: {common.machine()}")
     print(f"target {cfg.target} ({where}), draft {cfg.draft}, {cfg.dtype} on {device}; "
@@ -138,10 +125,9 @@ def main(argv=None):
         on = f", {threads} thread" + "s" * (threads > 1) if threads else ""
         for sampled in (False, True)[: 1 + (cfg.temperature > 0)]:
             setting = ("sampled" if sampled else "greedy") + on
-            args = target, hf_target, drafts, prompt_ids, tokenizer.eos_token_id, sampled
+            args = target, hf_target, drafts, prompt_ids, eos, sampled
             rows += rows_at(cfg, setting, *args)
     common.print_table(rows)
-    common.print_auto(rows)
     title = (
         f"SpecExec against plain decoding and its peers: the default pair ({where}),\n"
         f"{len(prompt_ids)} prompts x {cfg.tokens} tokens; lines: the rows without a budget"

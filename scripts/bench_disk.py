@@ -6,32 +6,17 @@
     python -m scripts.bench_disk --target SmolLM2-135M-Instruct --layers 0 --draft-layers 8 \\
         --budgets 4,16,64,auto --draft-threads 0   # a weak real pair: a model, its first layers
 
-The default target is 12 MB: streaming it costs nothing, so no run of it is in SpecExec's
-regime. This script grows it into a model whose weights are big enough that reading them from
-disk dominates a forward pass, and which still says what the trained target says:
-
-- every trained layer's MLP is widened with units whose output weights are zero (their
-  activations are computed, multiplied by zero and added), and
-- new layers follow the trained ones, with attention and MLP output projections zero: they
-  compute in full and add exactly zero to the residual stream.
-
-So every byte is real (read from disk each pass, multiplied on the CPU), the draft agrees with
-it as it agrees with the trained target, and the grown model is its own model: exactness is
-always checked against its own plain decoding. `--layers 0` streams the target as it is, and
-`--draft-layers N` drafts with its own first N layers (a truncated copy, in memory).
-
-Rows, in one process, each on every prompt before the next prompt, after one warm-up each:
-plain decoding of the target offloaded by this project (`--offload ssd`: O_DIRECT reads, no
-page cache); its peers, what a Hugging Face user would pick: accelerate's disk offload of the
-same checkpoint (`device_map` puts every decoder layer on "disk"; the safetensors files are read
-in place as each layer runs), with plain greedy `generate` and with assisted generation by the
-same draft. A forward pre-hook on that model drops the checkpoint's files from the page cache
-(posix_fadvise DONTNEED, after they were synced) before every pass, so that each pass reads the
-disk as ours does; SpecExec with the draft at each budget. Every row is checked token for token
-against plain decoding. The offloader's own reads with nothing computing, before and after the
-rows, give the disk's speed.
+The default target (12 MB) is grown into one big enough that reading it from disk dominates a
+pass, that still says what the trained target says (`grow_target`); `--layers 0` streams the
+target as it is. Rows, each on every prompt before the next prompt, after one warm-up each: plain
+decoding streamed by offload.py (ssd); accelerate's disk offload of the same checkpoint with plain
+and with assisted `generate`; SpecExec at each budget. Every row checked token for token against
+plain decoding; the offloader's reads alone, before and after the rows, give the disk's speed.
+docs/results.md says more of the grown target and the peers.
 """
 
+import functools
+import itertools
 import json
 import os
 import shutil
@@ -41,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
 
 import offload
 import specexec
@@ -49,15 +36,12 @@ from specexec import option
 from specexec_tools import models
 
 
-# Fields in specexec.Options' form, option(default, help): other options, alike in shape only.
 @dataclass
 class DiskBenchConfig:
     """The run's defaults, written once; the command line reads them (`--help`)."""
 
-    target: str = option(
-        str(common.HERE / "models" / "target"), "the target (grown unless --layers 0)"
-    )
-    draft: str = option(str(common.HERE / "models" / "draft"), "the draft model folder")
+    target: str = option(common.TARGET, "the target (grown unless --layers 0)")
+    draft: str = option(common.DRAFT, "the draft model folder")
     draft_layers: int = option(0, "N > 0: the draft is the target's own first N layers instead")
     layers: int = option(20, "decoder layers of the grown target (the trained ones first)")
     intermediate: int = option(32768, "its MLP width: about 0.1 GB per layer in float32")
@@ -75,15 +59,10 @@ class DiskBenchConfig:
 
 
 def grow_target(source, dest, n_layers, intermediate, seed=0):
-    """Write `source` (a Llama-family folder) grown to n_layers x intermediate, float32.
-
-    Added MLP units: random input weights, zero output weights. Added layers: random
-    weights but for zero attention and MLP output projections (o_proj, down_proj), so each
-    adds nothing to the residual stream. One safetensors file per layer, and an index.
-    """
-    from safetensors.torch import load_file, save_file
-    from transformers import AutoConfig
-
+    """Write `source` (a Llama-family folder) grown to n_layers x intermediate, float32, one
+    safetensors file per layer. Each trained layer's MLP gets units with random input weights and
+    zero output weights; new layers, random but for zero output projections (o_proj, down_proj),
+    follow: all computed in full, adding exactly zero. Every byte is real, the text the same."""
     source, dest = Path(source), Path(dest)
     config = AutoConfig.from_pretrained(source)
     old_layers, old_width = config.num_hidden_layers, config.intermediate_size
@@ -106,56 +85,26 @@ def grow_target(source, dest, n_layers, intermediate, seed=0):
     def random(*shape):
         return torch.randn(*shape, generator=generator) * 0.02
 
-    def layer(i):  # the trained layer i (or layer 0), its names without "model.layers.{i}."
+    def grown(i):  # layer i: the trained one, or a new one shaped as layer 0
         prefix = f"model.layers.{i if i < old_layers else 0}."
-        return {n[len(prefix) :]: t for n, t in trained.items() if n.startswith(prefix)}
-
-    weight_map, extra = {}, intermediate - old_width
-    files = [("model-outer.safetensors", {n: t for n, t in trained.items() if "layers." not in n})]
-    for i in range(n_layers):
-        tensors = layer(i)
+        tensors = {n[len(prefix) :]: t for n, t in trained.items() if n.startswith(prefix)}
+        extra = intermediate - old_width  # MLP units added
         if i >= old_layers:  # a new layer: random, computes in full, its outputs times zero
             tensors = {n: random(*t.shape) for n, t in tensors.items()}
             tensors |= {n: torch.ones(hidden) for n in tensors if n.endswith("norm.weight")}
             tensors["self_attn.o_proj.weight"] *= 0
             extra = intermediate
-        # the MLP widened by `extra` units whose output weights are zero (a new layer: all)
-        mlp = {
-            n: tensors.pop(f"mlp.{n}_proj.weight")[: intermediate - extra] for n in ("gate", "up")
-        }
-        tensors |= {
-            f"mlp.{n}_proj.weight": torch.cat([w, random(extra, hidden)]) for n, w in mlp.items()
-        }
-        down = tensors["mlp.down_proj.weight"][:, : intermediate - extra]
+        for name in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):  # (intermediate, hidden)
+            kept = tensors[name][: intermediate - extra]
+            tensors[name] = torch.cat([kept, random(extra, hidden)])
+        down = tensors["mlp.down_proj.weight"][:, : intermediate - extra]  # the added units: zeros
         tensors["mlp.down_proj.weight"] = torch.cat([down, torch.zeros(hidden, extra)], dim=1)
-        tensors = {
-            f"model.layers.{i}.{n}": t for n, t in tensors.items()
-        }  # (hidden, intermediate) down
-        files.append((f"model-layer-{i:03d}.safetensors", tensors))
-    for file_name, tensors in files:
-        save_file({n: t.contiguous() for n, t in tensors.items()}, dest / file_name)
-        weight_map |= {n: file_name for n in tensors}
-    index = {"metadata": {}, "weight_map": weight_map}
-    (dest / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
-    os.sync()  # written back, so that later reads come from the disk, not from dirty pages
+        return {f"model.layers.{i}.{n}": t for n, t in tensors.items()}
+
+    outer = {n: t for n, t in trained.items() if "layers." not in n}
+    layers = ((f"model-layer-{i:03d}.safetensors", grown(i)) for i in range(n_layers))
+    common.save_shards(dest, itertools.chain([("model-outer.safetensors", outer)], layers))
     return dest
-
-
-# ---- the parts: the reads with no compute, the compute with no reading ----
-
-
-def raw_read_s(model):
-    """Seconds for the offloader's own reads of every streamed layer with nothing computing,
-    and the bytes: its storage's preads (O_DIRECT, no page cache) into a slot of the ring's
-    size, one layer after another, as its reader thread issues them during a pass."""
-    ring = model.ring
-    ring.drain()  # no prefetch in flight: the disk is ours alone
-    slot = offload.page_aligned(ring.storage.slot_nbytes(), ring.ops.device)  # (nbytes,)
-    start = time.perf_counter()
-    for layer in ring.order:
-        ring.storage.load(layer, slot, ring.ops)
-    ring.ops.host_wait(ring.ops.record("copy"))
-    return time.perf_counter() - start, len(ring.order) * ring.storage.slot_nbytes()
 
 
 # ---- the peers: accelerate's disk offload of the same checkpoint ----
@@ -165,15 +114,12 @@ def accelerate_target(folder, dtype):
     """The checkpoint in `folder` as accelerate streams it: every decoder layer on "disk", read
     from the safetensors files in place at each forward (float32 files: no copy is made), the
     rest in memory; the files dropped from the page cache before every pass."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     n_layers = AutoConfig.from_pretrained(folder).num_hidden_layers
     device_map = dict.fromkeys(["model.embed_tokens", "model.norm", "model.rotary_emb"], "cpu")
     device_map |= {"lm_head": "cpu"} | {f"model.layers.{i}": "disk" for i in range(n_layers)}
     copies = Path.home() / ".cache" / "specexec" / "accelerate"  # only for non-float32 files
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, device_map=device_map, offload_folder=copies, dtype=dtype
-    ).eval()
+    placed = dict(device_map=device_map, offload_folder=copies, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(folder, **placed).eval()
     os.sync()
 
     def cold(module, args):
@@ -188,41 +134,31 @@ def accelerate_target(folder, dtype):
 
 
 def run(cfg, folder):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
     logging.set_verbosity_error()  # HF's notes on generation arguments, once per call
     started = time.strftime("%Y-%m-%d %H:%M")
     print(f"machine: {common.machine()}; {started}")
     config = folder / "config.json"
-    if cfg.layers and not (
-        config.exists() and json.loads(config.read_text())["num_hidden_layers"] == cfg.layers
-    ):
+    grown = config.exists() and json.loads(config.read_text())["num_hidden_layers"] == cfg.layers
+    if cfg.layers and not grown:
         start = time.perf_counter()
         grow_target(cfg.target, folder, cfg.layers, cfg.intermediate)
         print(f"grew {cfg.target} into {folder} in {time.perf_counter() - start:.0f} s")
     cpu, float32 = torch.device("cpu"), torch.float32
-    copies = Path.home() / ".cache" / "specexec" / "offload"  # as the CLI keeps them
-    target = offload.from_pretrained(
-        folder, mode="ssd", device=cpu, dtype=float32, offload_dir=copies
-    )
-    read_before, nbytes = raw_read_s(target)
-    if cfg.draft_layers:
-        draft = AutoModelForCausalLM.from_pretrained(
-            folder, num_hidden_layers=cfg.draft_layers, dtype=float32
-        ).eval()
+    streamed = dict(mode="ssd", device=cpu, dtype=float32, offload_dir=common.COPIES)
+    target = offload.from_pretrained(folder, **streamed)
+    read_before, nbytes = common.read_alone(target)
+    if cfg.draft_layers:  # a truncated copy of the target, in memory
+        first = dict(num_hidden_layers=cfg.draft_layers, dtype=float32)
+        draft = AutoModelForCausalLM.from_pretrained(folder, **first).eval()
         what = f"the target's first {cfg.draft_layers} layers"
     else:
         draft, what = models.load(cfg.draft, cpu, float32), cfg.draft
     peer = None if cfg.skip_peers else accelerate_target(folder, float32)
-    meters = [
-        common.Meter(target, *[peer] * bool(peer)),
-        common.Meter(draft),
-    ]  # the peer's passes: target's
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    prompt_ids = common.held_out_prompts(tokenizer, cfg.prompts)
-    eos = tokenizer.eos_token_id
-    options = dict(eos_token_id=eos, draft_threads=cfg.draft_threads)
+    # the peer's passes count as the target's
+    meters = [common.Meter(target, *[peer] * bool(peer)), common.Meter(draft)]
+    prompt_ids, eos = common.held_out_prompts(folder, cfg.prompts)
     print(f"{len(prompt_ids)} held-out prompts x {cfg.tokens} new tokens, greedy; target "
           f"{folder} streamed (float32, cpu), draft {what} in memory (float32)\n")  # fmt: skip
 
@@ -231,7 +167,8 @@ def run(cfg, folder):
 
     def speculative(budget):
         def decode(i, ids, n=cfg.tokens):
-            return specexec.generate(target, draft, ids, max_new_tokens=n, budget=budget, **options)
+            return specexec.generate(target, draft, ids, max_new_tokens=n, budget=budget,
+                                     eos_token_id=eos, draft_threads=cfg.draft_threads)  # fmt: skip
 
         return decode
 
@@ -243,23 +180,18 @@ def run(cfg, folder):
 
         return decode
 
-    methods = [(common.Row("streamed", "plain decoding"), plain)]
-    if peer is not None:
-        methods += [(common.Row("streamed", "accelerate disk offload, plain"), accelerate(None))]
-        methods += [
-            (common.Row("streamed", "accelerate disk offload, assisted"), accelerate(draft))
-        ]
-    methods += [
-        (common.Row("streamed", "SpecExec", b), speculative(b)) for b in common.budgets(cfg.budgets)
-    ]
+    row = functools.partial(common.Row, "streamed")
+    methods = [(row("plain decoding"), plain)]
+    peers = [] if peer is None else [("plain", None), ("assisted", draft)]
+    methods += [(row(f"accelerate disk offload, {name}"), accelerate(a)) for name, a in peers]
+    methods += [(row("SpecExec", b), speculative(b)) for b in common.budgets(cfg.budgets)]
     with target, torch.no_grad():
         for _, decode in methods:  # warm-up: threads, allocator, lazy initialisation
             decode(0, prompt_ids[0][:32], 2)
         rows = common.measure_interleaved(methods, prompt_ids, meters, "bench_disk")
-        read_after, _ = raw_read_s(target)  # the disk's speed moves on a shared machine
+        read_after, _ = common.read_alone(target)  # a shared disk's speed drifts
     read_s = (read_before + read_after) / 2
     common.print_table(rows)
-    common.print_auto(rows)
     print(f"\ndisk, the offloader's reads of the {nbytes / 1e9:.2f} GB of layers with nothing "
           f"computing (O_DIRECT): {read_before:.2f} s before the rows, {read_after:.2f} s after: "
           f"{nbytes / 1e9 / read_s:.2f} GB/s on average; load average at the end: "

@@ -4,20 +4,17 @@
     python -m scripts.bench_offload --device cuda   # gpu: CUDA-event timers and the copy timeline
     python -m scripts.bench_offload --quality models/target   # held-out loss: float vs int8 vs int4
 
-A random Llama of several GB is written to a temp folder and deleted afterwards (Linux only).
-On cpu, for each token count it times one pass of each tier (ssd, ram, and the plain in-memory
-model as the compute baseline), each in a fresh process, beside the raw cold read of the same
-bytes, all in the same run, and prints overlap efficiency, I/O efficiency, bytes moved and peak
-RSS; quantized rows (int8, int4) beside each tier's float one store and move the same weights
-quantized, dequantized as they land. On cuda it times passes with CUDA events (synchronised) and
-reads the profiler's device timeline: how busy the copy engine was, the gaps between copies, how
-much copying overlapped compute, and the achieved GB/s against the raw pinned (ram) or cold disk
-(ssd) bandwidth measured in the same run. --quality measures what quantized weights cost a real
-target instead: held-out loss and top-1 agreement with the full model.
+A random Llama of several GB is written to a temp folder and deleted afterwards (Linux only). On
+cpu, each tier (ssd, ram, their int8 / int4 rows, and the in-memory model: the compute baseline)
+runs in a fresh process, one pass per token count beside the raw cold read of the same bytes. On
+cuda, CUDA events time the passes and the profiler's device timeline shows how the copies ran,
+beside the raw pinned (ram) or cold disk (ssd) bandwidth. docs/results.md reads the numbers.
 """
 
 import concurrent.futures
+import multiprocessing
 import os
+import resource
 import shutil
 import tempfile
 import time
@@ -26,17 +23,18 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import offload
-from scripts.common import cpu_name, evict_page_cache, read_config, write_random_llama
+from scripts import train_pair
+from scripts.common import evict_page_cache, machine, read_alone, read_config, write_random_llama
 from specexec import option
 from specexec_tools import checkpoint
 from specexec_tools.models import CACHE
 
 
-# Fields in specexec.Options' form, option(default, help): other options, alike in shape only.
 @dataclass
 class BenchConfig:
     """The benchmark's defaults, written once; the command line reads them (`--help`)."""
@@ -52,12 +50,10 @@ class BenchConfig:
     intermediate: int = option(5632, "MLP size")
     vocab: int = option(32000, "vocabulary size")
     buffers: int = option(2, "device buffers in the ring")
-    # on cpu only
     quantize: str = option("int8,int4", "cpu: quantized rows beside each float one; '': none")
     threads: int = option(max(1, (os.cpu_count() or 2) - 1), "cpu: all cores but the reader's")
     ram_limit_gb: float = option(2.0, "cpu: the ssd process's RLIMIT_DATA, below the model")
     folder: str = option("", "keep the random checkpoint here; empty: a temp folder")
-    # instead of timing
     quality: str = option("", "a model folder: held-out loss float vs int8 vs int4, not timing")
     windows: int = option(10**6, "--quality: at most this many held-out windows of 512 tokens")
 
@@ -85,16 +81,13 @@ def model_dtype(opts: BenchConfig) -> torch.dtype:
 
 
 def tiers(opts: BenchConfig) -> list[str]:
-    """ssd, its quantized rows ("ssd int8"), ram, its quantized rows, and resident: the plain
-    in-memory model, the compute baseline."""
+    """ssd and ram, each with its quantized rows ("ssd int8"); resident: the in-memory model."""
     kinds = ["", *(kind for kind in opts.quantize.split(",") if kind)]
     return [f"{mode} {kind}".strip() for mode in ("ssd", "ram") for kind in kinds] + ["resident"]
 
 
 def in_fresh_process(function, *args):
     """Run in a new interpreter, so a tier's peak memory is its own."""
-    import multiprocessing
-
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
         return pool.submit(function, *args).result()
@@ -102,8 +95,6 @@ def in_fresh_process(function, *args):
 
 def measure(folder: Path, tier: str, tokens: list[int], opts: BenchConfig) -> dict:
     """In this (fresh) process: one cold pass per token count; seconds, bytes and peak memory."""
-    import resource
-
     torch.set_num_threads(opts.threads)
     result = {"baseline_rss": proc_status("VmRSS"), "passes": {}}
     mode, _, kind = tier.partition(" ")
@@ -117,21 +108,10 @@ def measure(folder: Path, tier: str, tokens: list[int], opts: BenchConfig) -> di
         model = offload.from_pretrained(folder, mode=mode, device="cpu", **options)
         folder = model.converted_folder or folder  # where its reads come from
     one_pass(model, 1)  # warm-up: thread start, allocator, lazy initialisation
-
-    def read_alone() -> float:
-        """The raw read: this tier's own transfers (quantized: and dequantizing), cold, one
-        layer after another, no compute."""
-        model.ring.drain()
-        evict_page_cache(folder)
-        started = time.perf_counter()
-        for layer in range(len(model.layers)):
-            model.ring._load(layer, 0, None)
-        return time.perf_counter() - started
-
     for n in tokens:
         row = result["passes"][n] = {"read_s": None, "moved": 0}
         if tier != "resident":
-            before = read_alone()  # it drained the ring: the pass starts cold
+            before, _ = read_alone(model, evict=folder)  # it drained the ring: a cold pass next
             evict_page_cache(folder)
         Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark (VmHWM)
         row["pass_s"] = one_pass(model, n)
@@ -139,7 +119,7 @@ def measure(folder: Path, tier: str, tokens: list[int], opts: BenchConfig) -> di
         if tier != "resident":
             row["moved"] = model.stats.bytes_moved
             # a shared disk's speed drifts within seconds: average the baseline around the pass
-            row["read_s"] = (before + read_alone()) / 2
+            row["read_s"] = (before + read_alone(model, evict=folder)[0]) / 2
     return result
 
 
@@ -161,46 +141,45 @@ def proc_status(key: str) -> int:
 
 
 def report(opts: BenchConfig, tokens: list[int], runs: dict) -> str:
+    """The legend, then a markdown table: a row per token count and tier."""
     layer_gb = runs["ssd"]["passes"][tokens[0]]["moved"] / opts.layers / 1e9
     dtype = model_dtype(opts)
     resident_gb = 2 * opts.vocab * opts.hidden * dtype.itemsize / 1e9  # embeddings and LM head
     kv_gb = 2 * opts.layers * max(1, opts.hidden // 512) * 64 * max(tokens) * dtype.itemsize / 1e9
-    lines = f"""machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, \
-{opts.threads} compute thread(s); load average {os.getloadavg()[0]:.1f} at the end
-model: random Llama, {str(dtype).removeprefix("torch.")}, {opts.layers} layers x {layer_gb:.3f} GB \
-+ resident parts {resident_gb:.2f} GB = {opts.layers * layer_gb + resident_gb:.2f} GB; \
-buffers={opts.buffers}; one pass per row, each tier in a fresh process
-read = the tier's transfers alone (ssd: cold O_DIRECT reads; ram: memcpy into a slot), mean of \
-just before and just after the pass; compute = the in-memory model's pass
-overlap = pass / max(read, compute); I/O eff = read / pass
-ssd ran under RLIMIT_DATA = {opts.ram_limit_gb} GB; its RSS budget: resident {resident_gb:.2f} \
-+ {opts.buffers} x layer {layer_gb:.3f} + KV {kv_gb:.3f} GB \
-+ {runs["ssd"]["baseline_rss"] / 1e9:.2f} GB for Python, torch, transformers
-int8 / int4 rows: the linear weights stored and moved quantized, dequantized as they land; \
-moved x, pass x: against the same tier's float row""".splitlines()
+    lines = [
+        f"machine: {machine()} at the end; {opts.threads} compute thread(s) in each tier",
+        f"model: random Llama, {str(dtype).removeprefix('torch.')}, {opts.layers} layers x "
+        f"{layer_gb:.3f} GB + resident parts {resident_gb:.2f} GB = "
+        f"{opts.layers * layer_gb + resident_gb:.2f} GB; buffers={opts.buffers}; one pass per "
+        "row, each tier in a fresh process",
+        "read = the tier's transfers alone (ssd: cold O_DIRECT reads; ram: memcpy into a slot), "
+        "mean of just before and just after the pass; compute = the in-memory model's pass",
+        f"ssd ran under RLIMIT_DATA = {opts.ram_limit_gb} GB; its RSS budget: resident "
+        f"{resident_gb:.2f} + {opts.buffers} x layer {layer_gb:.3f} + KV {kv_gb:.3f} GB + "
+        f"{runs['ssd']['baseline_rss'] / 1e9:.2f} GB for Python, torch, transformers",
+        "int8 / int4 rows: the linear weights stored and moved quantized, dequantized as they "
+        "land; moved x, pass x: against the same tier's float row",
+        "",
+        "| tokens | tier | pass s | read s | compute s | overlap (pass / max) | I/O eff (read / "
+        "pass) | moved GB | GB/s | peak RSS GB | moved x | pass x |",
+        "|---:|---|" + "---:|" * 10,
+    ]
     for n in tokens:
-        lines += ["", f"tokens = {n}"]
-        lines.append(
-            f"{'tier':<9}{'pass s':>8}{'read s':>8}{'compute s':>10}{'overlap':>9}{'I/O eff':>9}"
-            + f"{'moved GB':>10}{'GB/s':>7}{'peak RSS GB':>13}{'moved x':>9}{'pass x':>8}"
-        )
         compute = runs["resident"]["passes"][n]["pass_s"]
-        for tier in runs:
-            row = runs[tier]["passes"][n]
-            read, seconds = row["read_s"], row["pass_s"]
-            cells = [f"{tier:<9}{seconds:8.2f}"]
-            if read is None:  # the in-memory model moves nothing
-                cells.append(f"{'-':>8}{compute:10.2f}{'-':>9}{'-':>9}{'-':>10}{'-':>7}")
-            else:
-                cells.append(f"{read:8.2f}{compute:10.2f}{seconds / max(read, compute):9.2f}")
-                cells.append(f"{read / seconds:9.2f}{row['moved'] / 1e9:10.2f}")
-                cells.append(f"{row['moved'] / seconds / 1e9:7.2f}")
-            cells.append(f"{row['peak'] / 1e9:13.2f}")
+        for tier, run in runs.items():
+            row = run["passes"][n]
+            seconds, read, moved = row["pass_s"], row["read_s"], row["moved"]
+            moving = [None] * 4  # overlap, I/O eff, moved GB, GB/s: resident moves nothing
+            if read is not None:
+                moving = [seconds / max(read, compute), read / seconds]
+                moving += [moved / 1e9, moved / seconds / 1e9]
+            against = [None, None]  # moved x, pass x
             if " " in tier:  # quantized: against the same tier's float row
                 float_row = runs[tier.split()[0]]["passes"][n]
-                cells.append(f"{row['moved'] / float_row['moved']:9.2f}")
-                cells.append(f"{seconds / float_row['pass_s']:8.2f}")
-            lines.append("".join(cells))
+                against = [moved / float_row["moved"], seconds / float_row["pass_s"]]
+            cells = [seconds, read, compute, *moving, row["peak"] / 1e9, *against]
+            cells = [f"{c:.2f}" if c is not None else "-" for c in cells]
+            lines.append(f"| {n} | {tier} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -208,15 +187,9 @@ moved x, pass x: against the same tier's float row""".splitlines()
 
 
 def quality(target: str, windows: int, seq_len: int = 512, batch: int = 8) -> str:
-    """Held-out loss (nats/token) of `target` in float32 with its weights as they are, int8 and
-    int4, and each quantized model's top-1 agreement with the full one, on the held-out split
-    of train_pair.py: its held-out standard-library files as one token stream (EOS between
-    files), cut into consecutive windows of seq_len tokens (each predicts the next token)."""
-    import torch.nn.functional as F
-    from transformers import AutoTokenizer
-
-    from scripts import train_pair
-
+    """Held-out loss (nats/token) of `target` in float32, its weights as they are, int8 and int4,
+    and top-1 agreement with the full model, on train_pair.py's held-out files as one token stream
+    (EOS between files) cut into consecutive windows of seq_len tokens."""
     root, _, held_out = train_pair.stdlib_files()
     tokenizer = AutoTokenizer.from_pretrained(target)
     stream = train_pair.token_stream(tokenizer, train_pair.read_texts(held_out))  # (n_tokens,)
@@ -225,7 +198,7 @@ def quality(target: str, windows: int, seq_len: int = 512, batch: int = 8) -> st
     labels = stream[1 : n * seq_len + 1].view(n, seq_len)  # (n, seq_len): the next tokens
     lines = [
         f"{target}, float32 compute; held out: {len(held_out)} files of {root}, {n} windows "
-        + f"of {seq_len} tokens = {n * seq_len} predictions; {cpu_name()}",
+        + f"of {seq_len} tokens = {n * seq_len} predictions; {machine()}",
         f"{'weights':<10}{'loss nats/token':>16}{'top-1 agreement with full':>27}",
     ]
     full_top1 = None
@@ -251,8 +224,8 @@ def quality(target: str, windows: int, seq_len: int = 512, batch: int = 8) -> st
 def bench_cuda(folder: Path, tokens: list[int], opts: BenchConfig, dtype: torch.dtype) -> str:
     """Per tier and token count: pass seconds by CUDA events, the copy timeline, GB/s vs raw."""
     lines = [
-        f"machine: {torch.cuda.get_device_name()}, {cpu_name()}; torch {torch.__version__}; "
-        + f"random Llama, {opts.layers} layers, {dtype}, buffers={opts.buffers}",
+        f"machine: {machine()}; random Llama, {opts.layers} layers, {dtype}, "
+        + f"buffers={opts.buffers}",
         "busy = copy engine busy / pass; gap = idle time between copies (mean, max); overlap = "
         + "copy time that ran beside a kernel / copy time; raw = pinned host-to-device copy "
         + "(ram) or cold O_DIRECT read (ssd) alone",
@@ -261,13 +234,12 @@ def bench_cuda(folder: Path, tokens: list[int], opts: BenchConfig, dtype: torch.
     compute = {n: cuda_seconds(partial(one_pass, resident, n, "cuda")) for n in tokens}
     del resident
     torch.cuda.empty_cache()
-    header = f"{'tier':<6}{'tokens':>7}{'pass ms':>9}{'compute ms':>11}{'busy':>6}"
-    header += f"{'gap ms':>13}{'overlap':>8}{'GB/s':>7}{'raw GB/s':>9}{'/raw':>6}"
+    header = "| tier | tokens | pass ms | compute ms | busy | gap ms, mean | gap ms, max | overlap "
+    header += "| GB/s | raw GB/s | / raw |\n|---|" + "---:|" * 10
     for tier in ("ram", "ssd"):
         options = dict(mode=tier, device="cuda", dtype=dtype, buffers=opts.buffers)
-        model = offload.from_pretrained(folder, **options)
-        lines += ["", f"{tier}: pinned host memory {model.pinned_bytes / 1e9:.3f} GB", header]
-        with model:
+        with offload.from_pretrained(folder, **options) as model:
+            lines += ["", f"{tier}: pinned host memory {model.pinned_bytes / 1e9:.3f} GB", header]
             one_pass(model, 1, "cuda")  # warm-up: reader thread, allocator, kernels
             for n in tokens:
                 raw = raw_gb_per_s(model, folder, tier)  # measured beside each pass
@@ -277,11 +249,9 @@ def bench_cuda(folder: Path, tokens: list[int], opts: BenchConfig, dtype: torch.
                 seconds = cuda_seconds(partial(one_pass, model, n, "cuda"))
                 gb_per_s = model.stats.bytes_moved / seconds / 1e9
                 t = copy_timeline(partial(one_pass, model, n, "cuda"))
-                lines.append(
-                    f"{tier:<6}{n:>7}{seconds * 1e3:9.1f}{compute[n] * 1e3:11.1f}{t['busy']:6.2f}"
-                    + f"{t['gap_mean_ms']:6.2f},{t['gap_max_ms']:6.2f}{t['overlap']:8.2f}"
-                    + f"{gb_per_s:7.2f}{raw:9.2f}{gb_per_s / raw:6.2f}"
-                )
+                cells = [seconds * 1e3, compute[n] * 1e3, t["busy"], t["gap_mean_ms"]]
+                cells += [t["gap_max_ms"], t["overlap"], gb_per_s, raw, gb_per_s / raw]
+                lines.append(f"| {tier} | {n} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
     return "\n".join(lines)
 
 
@@ -299,13 +269,12 @@ def cuda_seconds(run) -> float:
 def raw_gb_per_s(model, folder: Path, tier: str) -> float:
     """The bandwidth the tier could reach alone: pinned copies (ram), cold reads (ssd)."""
     ring = model.ring
+    ring.drain()
     if tier == "ram":
         host, slot = ring.storage.buffers[0], ring.slots[0]  # registered arena -> device
-        ring.drain()
         copies = [partial(slot[: host.numel()].copy_, host, non_blocking=True)] * 10
         seconds = cuda_seconds(lambda: [copy() for copy in copies])
         return 10 * host.numel() / seconds / 1e9
-    ring.drain()
     torch.cuda.synchronize()  # no copy still reads the staging chunk read into below
     evict_page_cache(folder)
     nbytes, started = 0, time.perf_counter()
@@ -341,11 +310,12 @@ def copy_timeline(run) -> dict[str, float]:
     span = max(end for _, end in copies + kernels) - min(start for start, _ in copies + kernels)
     busy = sum(end - start for start, end in copies)
     gaps = [b[0] - a[1] for a, b in zip(copies, copies[1:])] or [0]
+    beside = sum(max(0, min(c[1], k[1]) - max(c[0], k[0])) for c in copies for k in kernels)
     return {
         "busy": busy / span,
         "gap_mean_ms": sum(gaps) / len(gaps) / 1e3,  # profiler times are microseconds
         "gap_max_ms": max(gaps) / 1e3,
-        "overlap": sum(intersection(c, k) for c in copies for k in kernels) / busy,
+        "overlap": beside / busy,  # copy time beside a kernel
         "pageable": pageable,  # copies from unpinned memory: staged by the driver, slower
     }
 
@@ -359,10 +329,6 @@ def merged(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
         else:
             out.append((start, end))
     return out
-
-
-def intersection(a: tuple[float, float], b: tuple[float, float]) -> float:
-    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
 
 
 def main(argv: list[str] | None = None) -> None:

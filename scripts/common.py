@@ -1,6 +1,6 @@
 """The benchmarks' one harness: the machine named in one line, a command line read from a config
 dataclass, a meter on each model's passes, the row every method adds up to, the interleaved
-measurement, the table, the plot, and the random checkpoint writer."""
+measurement, the table, the plot, the random checkpoint writer and the offloader's raw read."""
 
 import argparse
 import functools
@@ -17,34 +17,33 @@ from pathlib import Path
 import torch
 
 HERE = Path(__file__).resolve().parents[1]  # the repository root
+TARGET, DRAFT = str(HERE / "models" / "target"), str(HERE / "models" / "draft")  # the default pair
+COPIES = Path.home() / ".cache/specexec/offload"  # converted copies, where the CLI keeps them
 
 
 # ---- the machine and the command line ----
 
 
-def cpu_name():
-    """The processor's model name (Linux), else what `platform` knows."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
-
-
 def machine():
     """The processor, its cores, torch's threads, the GPU, torch's version and the load now."""
+    try:  # the processor's model name (Linux), else what `platform` knows
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        cpu = platform.processor() or platform.machine()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU"
     return (
-        f"{cpu_name()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, {gpu}; "
+        f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, {gpu}; "
         f"torch {torch.__version__}; load average {os.getloadavg()[0]:.1f}"
     )
 
 
-def command_line(config, description):
-    """A parser with one flag per field of the dataclass `config`: its default, its help and
-    its type (of `X | None`, X); a bool field is a switch; metadata "choices" lists the values."""
+def read_config(config, doc, argv=None):
+    """The config the command line asks for: a flag per field of the dataclass `config` (each made
+    by option(default, help), as specexec.Options' are), of its type (of `X | None`, X); a bool is
+    a switch; metadata "choices" lists the values. The config's ValueError is a usage error."""
     parser = argparse.ArgumentParser(
-        description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        description=doc.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     for f in fields(config):
         flag, text = "--" + f.name.replace("_", "-"), f.metadata["help"]
@@ -54,12 +53,10 @@ def command_line(config, description):
         kind = next(t for t in typing.get_args(f.type) or [f.type] if t is not type(None))
         choices = f.metadata.get("choices")
         parser.add_argument(flag, type=kind, default=f.default, choices=choices, help=text)
-    return parser
-
-
-def read_config(config, doc, argv=None):
-    """The config the command line asks for: `config`'s defaults, overridden by its flags."""
-    return config(**vars(command_line(config, doc.split("\n\n")[0]).parse_args(argv)))
+    try:
+        return config(**vars(parser.parse_args(argv)))
+    except ValueError as error:
+        parser.error(str(error))
 
 
 def budgets(text):
@@ -67,10 +64,14 @@ def budgets(text):
     return [b if b == "auto" else int(b) for b in text.split(",")]
 
 
-def held_out_prompts(tokenizer, n):
-    """The first n held-out prompts of train_pair.py, as token ids."""
+def held_out_prompts(folder, n):
+    """The first n held-out prompts of train_pair.py as token ids, by the tokenizer of the model
+    in `folder`; and that tokenizer's EOS."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
     prompts = json.loads((HERE / "models" / "prompts.json").read_text())[:n]
-    return [tokenizer(p["prompt"])["input_ids"] for p in prompts]
+    return [tokenizer(p["prompt"])["input_ids"] for p in prompts], tokenizer.eos_token_id
 
 
 # ---- measuring: a meter per model, a row per method, prompt by prompt ----
@@ -118,17 +119,11 @@ class Row:
     exact: str = ""
     chosen: list = field(default_factory=list)  # budget auto: each step's (budget, depth)
 
-    tokens_per_pass = property(lambda self: self.tokens / max(1, self.target_passes))
-    rate = property(lambda self: self.tokens / self.seconds)
-
-    @property
-    def label(self):
-        return f"{self.method}, budget {self.budget}" if self.budget else self.method
-
-    @property
-    def split(self):
-        """Seconds drafting, in target passes, and the rest."""
-        return self.draft_s, self.target_s, self.seconds - self.draft_s - self.target_s
+    tokens_per_pass = property(lambda r: r.tokens / max(1, r.target_passes))
+    rate = property(lambda r: r.tokens / r.seconds)
+    label = property(lambda r: f"{r.method}, budget {r.budget}" if r.budget else r.method)
+    # seconds drafting, in target passes, and the rest
+    split = property(lambda r: (r.draft_s, r.target_s, r.seconds - r.draft_s - r.target_s))
 
     def choices(self):
         """Budget auto: the (budget, depth) it chose most, and how often."""
@@ -170,7 +165,8 @@ def measure_interleaved(methods, prompt_ids, meters, progress):
 
 
 def print_table(rows):
-    """A markdown table; speedups against each setting's first row (plain decoding)."""
+    """A markdown table, speedups against each setting's first row (plain decoding); then, per
+    setting, budget auto against plain decoding and the best fixed budget."""
     print("| setting | method | tokens/target pass | tokens/s | speedup | time split draft / "
           "target / other | exact |\n|---|---|---:|---:|---:|---|---|")  # fmt: skip
     base = {}
@@ -179,11 +175,7 @@ def print_table(rows):
         split = " / ".join(f"{100 * s / row.seconds:.0f}%" for s in row.split)
         print(f"| {row.setting} | {row.label} | {row.tokens_per_pass:.2f} | {row.rate:.2f} "
               f"| {row.rate / base[row.setting]:.2f}x | {split} | {row.exact} |")  # fmt: skip
-
-
-def print_auto(rows):
-    """Per setting: budget auto against plain decoding (the first row) and the best fixed budget."""
-    for setting in dict.fromkeys(row.setting for row in rows):
+    for setting in base:
         mine = [row for row in rows if row.setting == setting]
         fixed = [row for row in mine if isinstance(row.budget, int)]
         for auto in (row for row in mine if row.budget == "auto"):
@@ -236,13 +228,27 @@ def plot_budgets(rows, path, title, values=("rate",)):
     print(f"plot: {path}")
 
 
-# ---- checkpoints on disk ----
+# ---- checkpoints on disk, and the offloader's reads of them ----
+
+
+def save_shards(folder, shards):
+    """Write (file name, tensors) pairs as safetensors files, a pair at a time, and the index
+    that maps each tensor to its file; synced: dirty pages cannot be evicted, so once written
+    back, later reads come from the disk."""
+    from safetensors.torch import save_file
+
+    weight_map = {}
+    for name, tensors in shards:
+        save_file({n: t.contiguous() for n, t in tensors.items()}, Path(folder) / name)
+        weight_map |= dict.fromkeys(tensors, name)
+    index = {"metadata": {}, "weight_map": weight_map}
+    (Path(folder) / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    os.sync()
 
 
 def write_random_llama(folder, dtype, **shape):
     """A random Llama (LlamaConfig fields in `shape`) as safetensors, one file per layer and one
-    for the rest, written a layer at a time, so never held in RAM whole; synced to disk."""
-    from safetensors.torch import save_file
+    for the rest, each made as it is written, so never held in RAM whole."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     config = LlamaConfig(**shape)
@@ -253,17 +259,14 @@ def write_random_llama(folder, dtype, **shape):
     groups = [[n for n in shapes if not n.startswith("model.layers.")]]
     groups += [[n for n in shapes if n.startswith(f"model.layers.{i}.")]
                for i in range(config.num_hidden_layers)]  # fmt: skip
-    weight_map, generator = {}, torch.Generator().manual_seed(0)
-    for k, names in enumerate(groups):
+    generator = torch.Generator().manual_seed(0)
+
+    def random(names):
         tensors = {n: torch.randn(shapes[n], generator=generator) * 0.02 for n in names}
         tensors |= {n: torch.ones(shapes[n]) for n in names if n.endswith("norm.weight")}
-        save_file(
-            {n: t.to(dtype) for n, t in tensors.items()}, folder / f"model-{k:05d}.safetensors"
-        )
-        weight_map |= dict.fromkeys(names, f"model-{k:05d}.safetensors")
-    index = {"metadata": {}, "weight_map": weight_map}
-    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    os.sync()  # dirty pages cannot be evicted: written back, later reads come from the disk
+        return {n: t.to(dtype) for n, t in tensors.items()}
+
+    save_shards(folder, ((f"model-{k:05d}.safetensors", random(g)) for k, g in enumerate(groups)))
 
 
 def evict_page_cache(folder):
@@ -272,3 +275,19 @@ def evict_page_cache(folder):
         fd = os.open(path, os.O_RDONLY)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(fd)
+
+
+def read_alone(model, evict=None):
+    """Seconds and bytes of an offloaded model's own transfers with nothing computing, one
+    streamed layer after another into a slot of its ring, as its reader thread issues them in a
+    pass: ssd, O_DIRECT preads; ram, a copy; quantized, and the dequantizing. `evict`: a folder
+    to drop from the page cache first, where the reads come from."""
+    ring = model.ring
+    ring.drain()  # no prefetch in flight: the disk is ours alone, the slot free
+    if evict is not None:
+        evict_page_cache(evict)
+    start = time.perf_counter()
+    for layer in ring.order:
+        ring.storage.load(layer, ring.slots[0], ring.ops)
+    ring.ops.host_wait(ring.ops.record("copy"))
+    return time.perf_counter() - start, len(ring.order) * ring.storage.slot_nbytes()

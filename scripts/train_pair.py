@@ -1,18 +1,12 @@
 """Train the project's default model pair: a small Llama target and a distilled draft.
 
-Every Python installation carries its own standard library as source, so that is the
-training data: nothing is downloaded. The script
-
-1. collects the standard library's ``.py`` files (tests excluded) through the running
-   interpreter and holds out a fixed ~5% of them (chosen by a hash of the file name);
-2. trains a byte-level BPE tokenizer on the training files;
-3. trains the **target**, a Llama model of a few million parameters, on next-token loss;
-4. trains the **draft**, ~10x smaller, by distillation: its loss is the KL divergence from
-   the target's soft next-token distribution (plus a little ordinary next-token loss), so
-   that the two agree as often as possible. With ``--draft-baseline`` it also trains the
-   same draft on the data alone, to show what distillation buys;
-5. reports held-out loss of both and the draft's top-1 / top-8 agreement with the target,
-   and writes both models (Hugging Face format, float16) and a held-out prompt set.
+The data is the running interpreter's own standard library (`.py` files, tests excluded, a fixed
+~5% held out by a hash of the file name): nothing is downloaded. A byte-level BPE tokenizer, then
+the target (a Llama of a few million parameters) on next-token loss, then the draft, ~10x smaller,
+distilled: KL divergence from the target's next-token distribution plus a little next-token loss
+(`--draft-baseline`: the same draft on the data alone too, to show what distilling buys). It
+reports held-out loss and each draft's top-1 / top-8 agreement with the target, and writes both
+models (float16) and held-out prompts.
 
     python -m scripts.train_pair --draft-baseline   # writes models/{target,draft,prompts.json}
     python -m scripts.train_pair --target-from models/target --target-steps 0   # only a new draft
@@ -30,18 +24,18 @@ import sysconfig
 import time
 import zlib
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from scripts.common import command_line
+from scripts.common import read_config
 from specexec import option
 
 # ---- config ----
 
 
-# Fields in specexec.Options' form, option(default, help): other options, alike in shape only.
 @dataclass
 class TrainConfig:
     """Training options: one source of defaults for the command line (`--help` lists them)."""
@@ -61,32 +55,21 @@ class TrainConfig:
     seed: int = option(0, "random seed")
     threads: int = option(0, "torch threads (0: torch's default, one per core)")
     draft_baseline: bool = option(False, "also train the draft on data alone, for comparison")
-    target_from: str = option(
-        "",
-        "start from this trained target and its tokenizer: --target-steps more steps "
-        "(0: keep it as it is and train only the drafts)",
-    )
-    draft_from: str = option(
-        "",
-        "start the distilled draft from this trained draft (its own shape; --draft-hidden and "
-        "--draft-layers are ignored): --draft-steps more steps",
-    )
+    target_from: str = option("", "start from this target, its tokenizer (--target-steps 0: as is)")
+    draft_from: str = option("", "start the distilled draft from this one (in its own shape)")
+
+    def __post_init__(self):
+        if self.draft_hidden < 64 or self.draft_hidden % 64:
+            raise ValueError(f"--draft-hidden must be a multiple of 64, not {self.draft_hidden}")
 
 
-TARGET_SHAPE = dict(
-    hidden_size=256,
-    intermediate_size=768,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-)  # ~6.1M parameters
+TARGET_SHAPE = 256, 6  # the target's width and decoder layers: ~6.1M parameters
 EOS = "<|endoftext|>"
-HELD_OUT_PERCENT = 5
 
 # ---- data: the standard library's own source ----
 
 
-def stdlib_files():
+def stdlib_files(held_out_percent=5):
     """The interpreter's standard-library .py files, tests excluded, split train / held out."""
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "test", "tests", "idle_test", "lib2to3", "turtledemo"}
@@ -95,7 +78,7 @@ def stdlib_files():
     train, held_out = [], []
     for path in files:
         digest = hashlib.sha256(str(path.relative_to(root)).encode()).digest()
-        (held_out if digest[0] * 100 < HELD_OUT_PERCENT * 256 else train).append(path)
+        (held_out if digest[0] * 100 < held_out_percent * 256 else train).append(path)
     return root, train, held_out
 
 
@@ -103,18 +86,15 @@ def read_texts(paths):
     return [p.read_text(encoding="utf-8", errors="replace") for p in paths]
 
 
-def train_tokenizer(texts, vocab_size):
+def train_tokenizer(texts, size):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
+    alphabet = pre_tokenizers.ByteLevel.alphabet()  # all 256 bytes: no text is out of vocabulary
+    trainer = trainers.BpeTrainer(vocab_size=size, special_tokens=[EOS], initial_alphabet=alphabet)
     tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS)
 
@@ -137,29 +117,18 @@ def batches(stream, batch_size, seq_len, generator):
 # ---- models ----
 
 
-def draft_shape(cfg):
-    """The draft: a narrower, shallower Llama (default: hidden 128, 2 layers, ~0.95M parameters)."""
-    width, heads = cfg.draft_hidden, cfg.draft_hidden // 64
-    shape = dict(hidden_size=width, intermediate_size=3 * width, num_hidden_layers=cfg.draft_layers)
-    return shape | dict(num_attention_heads=heads, num_key_value_heads=heads)
-
-
-def make_model(shape, tokenizer, cfg):
+def make_model(width, layers, tokenizer, cfg):
+    """A new Llama, target or draft alike: heads of 64, an MLP 3x as wide, tied embeddings (the
+    draft by default: width 128, 2 layers, ~0.95M parameters)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    eos = tokenizer.eos_token_id
+    eos, heads = tokenizer.eos_token_id, width // 64
+    shape = dict(hidden_size=width, intermediate_size=3 * width, num_hidden_layers=layers)
+    shape |= dict(num_attention_heads=heads, num_key_value_heads=heads)
+    shape |= dict(max_position_embeddings=cfg.seq_len, tie_word_embeddings=True)
     tokens = dict(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=eos)
-    shape = shape | dict(max_position_embeddings=cfg.seq_len, tie_word_embeddings=True)
-    return LlamaForCausalLM(
-        LlamaConfig(vocab_size=len(tokenizer), rope_theta=1e4, **tokens, **shape)
-    )
-
-
-def load_trained(folder):
-    """A model written by `save`, in float32 to train further (--target-from, --draft-from)."""
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    config = LlamaConfig(vocab_size=len(tokenizer), rope_theta=1e4, **tokens, **shape)
+    return LlamaForCausalLM(config)
 
 
 def lr_at(step, total, peak):
@@ -197,6 +166,7 @@ def train(model, stream, steps, lr, cfg, log, name, teacher=None, distill_weight
         if step % 50 == 0 or step == steps - 1:
             log(f"{name} step {step:5d}/{steps}  loss {loss.item():.4f}  ce {ce.item():.4f}  "
                 f"lr {lr_at(step, steps, lr):.2e}  {time.time() - start:7.1f}s")  # fmt: skip
+    log(f"{name} trained in {time.time() - start:.0f}s")
     model.eval()
     return model
 
@@ -225,11 +195,8 @@ def evaluate(target, drafts, stream, cfg):
 
 
 def save(model, tokenizer, folder):
-    """Write a model in float16 beside its tokenizer.
-
-    The model in memory goes back to float32 holding the stored float16 values, so what the
-    report measures and the draft learns from is exactly what was written.
-    """
+    """Write a model in float16 beside its tokenizer. The model in memory goes back to float32
+    holding the stored values: the report measures, and the draft learns from, what was written."""
     model.to(torch.float16).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     model.to(torch.float32)
@@ -239,11 +206,9 @@ def save(model, tokenizer, folder):
 
 
 def make_prompts(root, held_out, n_prompts=24, chars=600):
-    """Code prefixes from held-out files, each ending with a `def ...:` line.
-
-    No newline at the end: the BPE merges a line break with the next line's indentation, so a
-    prompt ending in a bare newline would hand the model a token boundary it never saw.
-    """
+    """Code prefixes from held-out files, each ending with a `def ...:` line and no newline: the
+    BPE merges a line break with the next line's indentation, so a prompt ending in a bare newline
+    would hand the model a token boundary it never saw."""
     rng = random.Random(0)
     prompts = []
     for path in held_out:
@@ -263,75 +228,57 @@ def make_prompts(root, held_out, n_prompts=24, chars=600):
 # ---- main ----
 
 
-def parse_args(argv=None):
-    """A plain argparse command line: one flag per `TrainConfig` field, its default and help."""
-    parser = command_line(TrainConfig, __doc__.split("\n\n")[0])
-    cfg = TrainConfig(**vars(parser.parse_args(argv)))
-    if cfg.draft_hidden < 64 or cfg.draft_hidden % 64:
-        parser.error(f"--draft-hidden must be a multiple of 64, not {cfg.draft_hidden}")
-    return cfg
-
-
 def main(argv=None):
-    cfg = parse_args(argv)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cfg = read_config(TrainConfig, __doc__, argv)
+    # a model written by `save`, in float32 to train further (--target-from, --draft-from)
+    load_trained = partial(AutoModelForCausalLM.from_pretrained, dtype=torch.float32)
     torch.manual_seed(cfg.seed)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
-    log_file = open(out / "train_log.txt", "w")
+    log_file = open(out / "train_log.txt", "a", buffering=1)  # line by line, after earlier runs
 
     def log(msg):
         print(msg, flush=True)
-        log_file.write(msg + "\n")
-        log_file.flush()
+        print(msg, file=log_file)
 
     log(f"config: {cfg}\npython {sys.version.split()[0]}, torch {torch.__version__}, "
         f"{torch.get_num_threads()} threads")  # fmt: skip
     root, train_paths, held_paths = stdlib_files()
     log(f"stdlib at {root}: {len(train_paths)} training files, {len(held_paths)} held out")
     t0 = time.time()
-    if cfg.target_from:
-        from transformers import AutoTokenizer
-
+    if cfg.target_from:  # the trained target and its tokenizer
         tokenizer = AutoTokenizer.from_pretrained(cfg.target_from)
+        target, what = load_trained(cfg.target_from).eval(), f"loaded from {cfg.target_from}"
     else:
         tokenizer = train_tokenizer(read_texts(train_paths), cfg.vocab_size)
+        target = make_model(*TARGET_SHAPE, tokenizer, cfg)
+        what = f"{sum(p.numel() for p in target.parameters()) / 1e6:.2f}M parameters"
     train_stream = token_stream(tokenizer, read_texts(train_paths))
     held_stream = token_stream(tokenizer, read_texts(held_paths))
     log(f"tokenizer: {len(tokenizer)} tokens; {len(train_stream)} training tokens, "
-        f"{len(held_stream)} held out ({time.time() - t0:.0f}s)")  # fmt: skip
-
-    if cfg.target_from:
-        target = load_trained(cfg.target_from).eval()
-        log(f"target: loaded from {cfg.target_from}")
-    else:
-        target = make_model(TARGET_SHAPE, tokenizer, cfg)
-        log(f"target: {sum(p.numel() for p in target.parameters()) / 1e6:.2f}M parameters")
+        f"{len(held_stream)} held out ({time.time() - t0:.0f}s)\ntarget: {what}")  # fmt: skip
     if cfg.target_steps:
-        t0 = time.time()
         train(target, train_stream, cfg.target_steps, cfg.target_lr, cfg, log, "target")
-        log(f"target trained in {time.time() - t0:.0f}s")
         save(target, tokenizer, out / "target")  # now: a draft can be retried with --target-from
         log(f"wrote {out}/target")
-    for p in target.parameters():
-        p.requires_grad_(False)
+    target.requires_grad_(False)
 
     torch.manual_seed(cfg.seed + 1)
     if cfg.draft_from:
-        draft = load_trained(cfg.draft_from)
-        log(f"draft: loaded from {cfg.draft_from}")
+        draft, what = load_trained(cfg.draft_from), f", loaded from {cfg.draft_from}"
     else:
-        draft = make_model(draft_shape(cfg), tokenizer, cfg)
-    log(f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M parameters")
-    t0 = time.time()
+        draft, what = make_model(cfg.draft_hidden, cfg.draft_layers, tokenizer, cfg), ""
+    log(f"draft: {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M parameters{what}")
     steps, lr, weight = cfg.draft_steps, cfg.draft_lr, cfg.distill_weight
     train(draft, train_stream, steps, lr, cfg, log, "draft", teacher=target, distill_weight=weight)
-    log(f"draft distilled in {time.time() - t0:.0f}s")
     drafts = {"draft": draft}
     if cfg.draft_baseline:
         torch.manual_seed(cfg.seed + 1)
-        baseline = make_model(draft_shape(cfg), tokenizer, cfg)
+        baseline = make_model(cfg.draft_hidden, cfg.draft_layers, tokenizer, cfg)
         train(baseline, train_stream, steps, lr, cfg, log, "draft-data-only")
         drafts["draft-data-only"] = baseline
 

@@ -74,7 +74,7 @@ class CostModel:
     budget: int = 32  # the first step's (at FIRST_DEPTH), before anything is measured
     depth: int | None = None
     target_s: dict = field(default_factory=dict)  # tokens fed -> seconds of a target pass
-    draft_s: float | None = None  # seconds of one draft pass
+    draft_s: float | None = None  # seconds of one draft pass (the first tree's: the prompt too)
     other_s: float = 0.0  # seconds of the rest of a step
     step_s: dict = field(default_factory=dict)  # (budget, depth) run -> seconds of its steps
     time_scale: float = 1.0  # whole steps' seconds / their parts' (a running mean)
@@ -206,7 +206,10 @@ class CostModel:
         if not budget:
             return
         self.tree_steps, self.largest = self.tree_steps + 1, max(self.largest, budget)
-        self.draft_s = running_mean(self.draft_s, step.draft_s / passes)
+        # The first tree's draft passes read the prompt too: its draft pass stands only until
+        # a second tree's replaces it (as the first step's whole cost does for other_s).
+        old_draft_s = self.draft_s if self.tree_steps > 2 else None
+        self.draft_s = running_mean(old_draft_s, step.draft_s / passes)
         tree, path = step.tree, step.path
         expected = self.reach(tree)  # before this step teaches the rates: what it was worth
         decay = 1 - WEIGHT

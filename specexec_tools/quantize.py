@@ -83,8 +83,11 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 def dequantize(levels: torch.Tensor, scale: torch.Tensor, kind: str, out=None) -> torch.Tensor:
     """quantize's output -> the (out, in) weight in the scale's dtype, written into `out` if given.
 
-    In-place passes over the output, no float temporary. One CPU core does roughly 0.5-1
-    billion weights a second: slower than the float16 bytes it saves arrive there (README).
+    In place, asking torch for no tensor of its own: int4's nibbles are cast as they are written
+    into `out` (CUDA's kernels cast as they write; on the CPU torch casts through a buffer of its
+    own), then - 8 and * scale pass over it, eager torch having no one kernel for (q - 8) * scale.
+    One CPU core does roughly 0.5-1 billion weights a second: slower than the float16 bytes it
+    saves arrive there (README).
     """
     rows, cols = levels.shape[0], levels.shape[1] * (2 if kind == "int4" else 1)
     if out is None:
@@ -92,10 +95,10 @@ def dequantize(levels: torch.Tensor, scale: torch.Tensor, kind: str, out=None) -
     grouped = out.view(rows, scale.numel() // rows, -1)  # (out, groups, group size)
     if kind == "int8":
         out.view(rows, cols).copy_(levels)  # integers to floats: exact; out may be stacked
-    else:  # low nibbles into the even inputs, high into the odd: no unpacked temporary
+    else:  # low nibbles straight into the even inputs, high into the odd: nothing unpacked
         pairs = out.view(rows, cols // 2, 2)  # (out, in // 2, 2)
-        pairs[..., 0].copy_(levels & 15)
-        pairs[..., 1].copy_(levels >> 4)
+        torch.bitwise_and(levels, 15, out=pairs[..., 0])
+        torch.bitwise_right_shift(levels, 4, out=pairs[..., 1])
         grouped.sub_(8)  # the nibbles hold q + 8
     grouped.mul_(scale.view(rows, -1, 1))  # the one rounding
     return out
