@@ -204,7 +204,7 @@ def plot_budgets(rows, path, title, values=("rate",)):
         dashes = ("-", "--", ":", "-.")[settings.index(setting) % 4]
         return dict(color=f"C{colours.index(name) % 10}", ls=dashes, label=f"{name}, {setting}")
 
-    fig, axes = plt.subplots(1, len(values), figsize=(2 + 6 * len(values), 6.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(values), figsize=(2 + 6 * len(values), 5), squeeze=False)
     for ax, value in zip(axes[0], values):
         for setting, method in curves:
             spec = [r for r in rows if (r.setting, r.method) == (setting, method)]
@@ -220,9 +220,11 @@ def plot_budgets(rows, path, title, values=("rate",)):
         ax.set_title(names[value])
         ax.grid(alpha=0.3)
     handles, labels = axes[0][-1].get_legend_handles_labels()  # one legend, below the panels
+    below = 0.2 + 0.2 * -(-len(labels) // 2)  # inches for the legend's rows, two columns
+    fig.set_figheight(5 + below)
     fig.legend(handles, labels, loc="lower center", ncol=2, frameon=False, fontsize=9)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout(rect=(0, 0.03 + 0.025 * len(labels) / 2 * 2 / len(values), 1, 1))
+    fig.tight_layout(rect=(0, below / (5 + below), 1, 1))
     fig.savefig(path)
     plt.close(fig)
     print(f"plot: {path}")
