@@ -31,7 +31,6 @@ import offload
 from scripts import train_pair
 from scripts.common import evict_page_cache, machine, read_alone, read_config, write_random_llama
 from specexec import option
-from specexec_tools import checkpoint
 from specexec_tools.models import CACHE
 
 
@@ -275,18 +274,8 @@ def raw_gb_per_s(model, folder: Path, tier: str) -> float:
         copies = [partial(slot[: host.numel()].copy_, host, non_blocking=True)] * 10
         seconds = cuda_seconds(lambda: [copy() for copy in copies])
         return 10 * host.numel() / seconds / 1e9
-    torch.cuda.synchronize()  # no copy still reads the staging chunk read into below
-    evict_page_cache(folder)
-    nbytes, started = 0, time.perf_counter()
-    for layer in range(len(model.layers)):  # O_DIRECT reads into pinned staging, no copy
-        for read in ring.storage.reads[layer]:
-            chunk = ring.storage.chunks[0]
-            for start in range(0, read.nbytes, chunk.numel()):
-                size = min(chunk.numel(), offload.round_up(read.nbytes) - start)
-                fd, needed = ring.storage.fds[read.path], min(size, read.nbytes - start)
-                checkpoint.pread_into(fd, chunk[:size], read.file_offset + start, read.path, needed)
-            nbytes += read.nbytes
-    return nbytes / (time.perf_counter() - started) / 1e9
+    seconds, nbytes = read_alone(model, evict=folder)  # cold reads as the tier issues them
+    return nbytes / seconds / 1e9
 
 
 def copy_timeline(run) -> dict[str, float]:
