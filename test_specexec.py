@@ -439,19 +439,32 @@ def test_cost_model_chooses_the_most_tokens_per_second(target_s, draft_s, chosen
     assert cost.choose() == chosen
 
 
-def test_cost_model_grows_trees_once_two_sizes_are_measured_and_deepens_to_the_next_depth():
+def test_cost_model_grows_trees_once_two_sizes_are_measured_and_searches_deeper():
     cost = CostModel(max_depth=32, target_s={171: 0.03}, draft_s=0.001, largest=8)
     cost.gains = cost.tree_gains(chain_tree(64, logprob=-0.001), max_depth=32)
     assert max(b for b, _ in cost.rates()) == 8  # the prompt's pass alone: all sizes cost alike
     cost.target_s[9] = 0.01
     assert max(b for b, _ in cost.rates()) == 32  # a line: up to GROWTH x the largest run
-    cost = CostModel(max_depth=16, target_s={1: 1.0, 9: 1.0}, draft_s=0.01, largest=8)
-    cost.gains, cost.tree_steps = {(8, 4): (3.0, 4)}, 4  # its trees reach their depth limit
-    assert cost.choose() == (8, 6)  # every DEEPEN_EVERY tree steps: the next of DEPTHS
+    # A dear draft (2 more passes cost more than 1 / LOOK_EVERY of the 1.4 s step): one depth
+    # deeper every DEEPEN_EVERY tree steps whose best nodes reach the depth limit
+    cost = CostModel(max_depth=16, target_s={1: 1.0, 9: 1.0}, draft_s=0.1, largest=8)
+    cost.gains, cost.tree_steps = {(8, 4): (3.0, 4)}, 4
+    assert cost.choose() == (8, 6)  # the next of DEPTHS
     cost.tree_steps = 5
     assert cost.choose() == (8, 4)
+    # A cheap draft (a streamed target's: 1.04 s steps, 0.01 s passes): as deep as 1 /
+    # LOOK_EVERY of the step buys, at once (5 passes: 8, not 12), never deeper than b
+    cost.draft_s = 0.01
+    assert cost.choose() == (8, 8)
+    cost.gains = {(16, 4): (3.0, 4)}
+    assert cost.choose() == (16, 8)
+    cost.gains = {(16, 4): (3.0, 2.5)}  # its best nodes stop short of the limit: no deeper
+    assert cost.choose() == (16, 4)
     cost.gains, cost.tree_steps = {(4, 4): (3.0, 4)}, 4  # 4 nodes are never deeper than 4
     assert cost.choose() == (4, 4)
+    cost = CostModel(max_depth=5, target_s={1: 1.0, 9: 1.0}, draft_s=0.01, largest=8)
+    cost.gains = {(8, 4): (3.0, 4)}
+    assert cost.choose() == (8, 5)  # max_depth, though not one of DEPTHS
 
 
 @settings(max_examples=40, **SETTINGS)
@@ -568,8 +581,7 @@ def test_cost_model_learns_from_what_the_target_followed():
 
 def test_cost_model_charges_what_steps_took_and_scales_what_it_predicts():
     """A (budget, depth) that ran is charged the seconds its steps took; one that did not, its
-    parts, scaled by how far the parts fell short of whole steps. Every tree's gain beyond the
-    bonus is scaled by how far trees fell short of what was expected of them."""
+    parts, scaled by how far the parts fell short of whole steps."""
     cost = CostModel(max_depth=8, target_s={1: 1.0, 65: 3.0}, draft_s=0.1, steps=1, largest=8)
     tree = chain_tree(8, logprob=-0.1)
     cost.gains = cost.tree_gains(tree, max_depth=8)
@@ -579,15 +591,45 @@ def test_cost_model_charges_what_steps_took_and_scales_what_it_predicts():
     assert cost.time_scale == pytest.approx(running_mean(1.0, 2.8 / parts), rel=1e-3)
     unrun = cost.seconds((8, 8), 8)
     assert unrun == pytest.approx(cost.time_scale * cost.from_parts(8, 8))
-    # The 8 nodes verified were expected to give sum(0.905 ** k) tokens beyond the bonus (the
-    # draft's own probabilities: nothing was seen before), and gave 2
-    expected = sum(math.exp(-0.1 * k) for k in range(1, 9))
-    prior = cost.EXTRA_PRIOR
-    assert cost.gain_scale == pytest.approx((2 + prior) / (expected + prior))
     rates = cost.rates()
     for choice, seconds in (((8, 8), unrun), ((4, 4), cost.seconds((4, 4), 4))):
-        gain = 1 + cost.gain_scale * (cost.gains[choice][0] - 1)
-        assert rates[choice] == pytest.approx(gain / seconds)
+        assert rates[choice] == pytest.approx(cost.rate_scale * cost.gains[choice][0] / seconds)
+
+
+def test_cost_model_holds_tree_steps_against_what_they_were_promised():
+    """A tree step chosen for its predicted (tokens, seconds) is held against them, one chosen
+    before its gains were seen against what its draft's probabilities expected, in the time
+    it took; every tree's predicted tokens/s is scaled by the ratio (PRIOR_TOKENS given as
+    promised), and plain decoding's is not."""
+    cost = CostModel(max_depth=8, target_s={1: 1.0, 65: 3.0}, draft_s=0.1, steps=1, largest=8)
+    tree = chain_tree(8, logprob=-0.1)
+    assert cost.rate_scale == 1.0
+    observe(cost, (8, 8), 9, 0.8, 2.0, 8, tree, path=[1, 2])  # no promise: the first tree
+    # Its 8 nodes were expected to give sum(0.905 ** k) tokens beyond the bonus (the draft's
+    # own probabilities: nothing was seen before), and it gave 2 and the bonus, in 2.8 s
+    expected = 1 + sum(math.exp(-0.1 * k) for k in range(1, 9))
+    prior = cost.PRIOR_TOKENS
+    assert cost.given == pytest.approx((3, 2.8)) and cost.promised == pytest.approx((expected, 2.8))
+    assert cost.rate_scale == pytest.approx((3 + prior) / (expected + prior))
+    choice = cost.choose()
+    assert choice[0] and cost.promise == pytest.approx(
+        (cost.gains[choice][0], cost.seconds(choice, cost.gains[choice][1]))
+    )
+    promise = cost.promise
+    observe(cost, choice, choice[0] + 1, 0.5, 3.0, choice[1], tree, path=[])  # 1 token, 3.5 s
+    assert cost.promise is None
+    given, promised = (3 + 1, 2.8 + 3.5), (expected + promise[0], 2.8 + promise[1])
+    assert cost.rate_scale == pytest.approx(
+        (given[0] + prior) / (promised[0] + prior) * promised[1] / given[1]
+    )
+    rates = cost.rates()
+    assert rates[(0, 0)] == pytest.approx(1 / cost.seconds((0, 0), 0))
+    for key in rates.keys() - {(0, 0)}:
+        gain, passes = cost.gains[key]
+        assert rates[key] == pytest.approx(cost.rate_scale * gain / cost.seconds(key, passes))
+    plain = specexec.Step([7], 0, 0, 1, target_s=1.0, total_s=1.0)
+    cost.update(plain)
+    assert cost.given == pytest.approx(given)  # plain steps promise nothing
 
 
 def simulate(cost, n_tokens, followed, draft_s, pass_s, prompt=100):

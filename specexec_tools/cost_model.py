@@ -44,13 +44,15 @@ class CostModel:
     path probability is reached far less often than a shallow one of the same: the draft's
     confidence compounds along a path, its errors too.
 
-    What the trees gave. The rates above are the draft's word, checked edge by edge; a draft
-    that is sure and wrong (a truncated copy of the target) or whose agreement drifts with the
-    text would still be trusted for many steps. So the tokens each tree step gave beyond the
-    bonus are held against those its tree was expected to give (before the step taught the
-    rates anything), and every predicted gain beyond the bonus is scaled by that ratio
-    (`gain_scale`, over recent steps): a draft whose trees give ~1 token is dropped within a
-    few steps, whatever its probabilities say.
+    What the trees gave. Each tree step is chosen for the tokens and seconds predicted of it
+    (its promise), and the best of many noisy predictions is an optimistic one: in memory,
+    sampling, trees were promised about 25% more tokens/s than they gave. A draft that is sure
+    and wrong (a truncated copy of the target) would be trusted for many steps too. So the
+    tokens and seconds of the run's tree steps are held against their promises (a tree chosen
+    before its gains were seen, the first one, against what its draft's probabilities expected,
+    in the time it took), and every tree's predicted tokens/s is scaled by that ratio
+    (`rate_scale`): a draft whose trees give ~1 token is dropped within a few steps, and trees
+    that only beat plain decoding on paper stop running.
 
     The second size. After the first step, one size is measured: the prompt's pass with the
     first tree. Where the target streams its weights, a pass costs their transfer, more than
@@ -65,9 +67,12 @@ class CostModel:
     less a plain step's: it gives the bonus at least), one tree step looks at the draft's
     predictions again, and each look that finds nothing doubles the wait for the next: looking
     costs at most 1 / LOOK_EVERY of the time at first, and less as the run goes, however dear
-    or wrong the draft (the target's own quantized copy costs what the target does). Every
-    `DEEPEN_EVERY` tree steps whose tree reaches its depth limit, the search goes to the next
-    depth, so that auto can see whether a deeper tree pays.
+    or wrong the draft (the target's own quantized copy costs what the target does).
+
+    Deeper. A deeper tree's gains are seen only by a tree searched that deep. While the best
+    nodes reach the depth limit, the search goes as deep as 1 / LOOK_EVERY of the step buys in
+    draft passes (a streamed target's trees go deep at once), or else one depth deeper every
+    `DEEPEN_EVERY` tree steps.
     """
 
     max_depth: int
@@ -88,17 +93,18 @@ class CostModel:
     tree_steps: int = 0
     plain_s: float = 0.0  # seconds of plain steps in a row
     looks: int = 0  # tree steps chosen only to look again, since a tree last paid
-    # Decayed sums over tree steps of the tokens beyond the bonus: given, and expected
-    extra_given: float = 0.0
-    extra_expected: float = 0.0
+    # Sums over the run's tree steps of (tokens, seconds): as they came, and as promised
+    given: tuple = (0.0, 0.0)
+    promised: tuple = (0.0, 0.0)
+    promise: tuple | None = None  # this step's (tokens, seconds), if a tree's predicted ones
     curve: tuple = field(default=(), init=False, repr=False)  # pass_curve's, and its target_s
 
     BUDGETS = tuple(2**k for k in range(11))  # 1 .. 1024: the tree sizes auto considers
     DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
     GROWTH, LOOK_EVERY, DEEPEN_EVERY, PRIOR = 4, 20, 4, 4
     FIRST_DEPTH = 4  # the first tree's: few passes of a draft not yet timed; deeper as it pays
+    PRIOR_TOKENS = 2  # rate_scale starts at 1 as if two tokens had come as promised
     STREAMED = 100  # draft passes a target pass outlasts when the target streams its weights
-    EXTRA_PRIOR = 0.5  # gain_scale starts at 1 as if half a token had come as expected
 
     # ---- the cost ----
 
@@ -160,13 +166,14 @@ class CostModel:
         return reach
 
     @property
-    def gain_scale(self):
-        """Tokens beyond the bonus that recent tree steps gave, over those expected of them."""
-        return (self.extra_given + self.EXTRA_PRIOR) / (self.extra_expected + self.EXTRA_PRIOR)
-
-    def gain(self, choice):
-        """E[tokens] of a (budget, depth): 1 (the bonus) and the rest, as trees have paid."""
-        return 1 + self.gain_scale * (self.gains[choice][0] - 1)
+    def rate_scale(self):
+        """The tokens/s that the run's tree steps gave, over what was promised when each was
+        chosen: their tokens (with `PRIOR_TOKENS` more, given as promised) over those promised,
+        and the seconds promised over those they took."""
+        (tokens, seconds), (promised, promised_s) = self.given, self.promised
+        if not promised:
+            return 1.0
+        return (tokens + self.PRIOR_TOKENS) / (promised + self.PRIOR_TOKENS) * promised_s / seconds
 
     def tree_gains(self, tree, max_depth):
         """E[tokens] and draft passes of each (budget, depth) that a tree searched to max_depth
@@ -211,10 +218,11 @@ class CostModel:
         old_draft_s = self.draft_s if self.tree_steps > 2 else None
         self.draft_s = running_mean(old_draft_s, step.draft_s / passes)
         tree, path = step.tree, step.path
-        expected = self.reach(tree)  # before this step teaches the rates: what it was worth
-        decay = 1 - WEIGHT
-        self.extra_given = decay * self.extra_given + len(path)
-        self.extra_expected = decay * self.extra_expected + sum(expected[n] for n in tree.best())
+        if self.promise is None:  # chosen before its gains were seen: as its draft expected
+            self.promise = 1 + sum(self.reach(tree)[node] for node in tree.best()), step.total_s
+        promise, self.promise = self.promise, None
+        self.given = tuple(a + b for a, b in zip(self.given, (len(step.tokens), step.total_s)))
+        self.promised = tuple(a + b for a, b in zip(self.promised, promise))
         picked = dict(zip([0, *path], step.tokens))  # at each node reached, the target's pick
         for node, parent in enumerate(tree.parents):  # every child the draft proposed there
             if parent in picked:
@@ -235,7 +243,8 @@ class CostModel:
         largest = max(self.GROWTH * self.largest, sizes[-1] - 1) if sizes[1:] else self.largest
         for (b, depth), (_, passes) in self.gains.items():
             if b <= largest:
-                rates[(b, depth)] = self.gain((b, depth)) / self.seconds((b, depth), passes)
+                gain = self.gains[(b, depth)][0]
+                rates[(b, depth)] = self.rate_scale * gain / self.seconds((b, depth), passes)
         return rates
 
     def look_cost(self, look):
@@ -243,7 +252,14 @@ class CostModel:
         return self.seconds(look, self.gains[look][1]) - self.seconds((0, 0), 0)
 
     def choose(self):
-        """This step's (budget, depth)."""
+        """This step's (budget, depth); a tree's predicted (tokens, seconds) kept as its promise."""
+        choice = self.decide()
+        passes = self.gains[choice][1] if choice in self.gains else None
+        self.promise = (self.gains[choice][0], self.seconds(choice, passes)) if passes else None
+        return choice
+
+    def decide(self):
+        """The (budget, depth) with the most tokens/s, a look at the draft, or a deeper search."""
         if not self.gains or self.draft_s is None:  # nothing measured yet
             return self.budget, min(self.FIRST_DEPTH, self.max_depth)
         if len(self.target_s) == 1 and self.STREAMED * self.draft_s > self.t_target(0):
@@ -256,8 +272,18 @@ class CostModel:
         elif look and self.plain_s >= self.LOOK_EVERY * 2**self.looks * self.look_cost(look):
             self.budget, self.depth = look  # the best tree step: look at the draft again
             self.looks += 1
-        deepest = self.gains[(self.budget, self.depth)][1] if self.budget else 0
-        reaches_limit = self.depth < self.budget and deepest >= self.depth  # deeper may pay
-        if reaches_limit and self.tree_steps % self.DEEPEN_EVERY == 0:  # the next depth's gains
-            return self.budget, min([d for d in self.DEPTHS if d > self.depth] + [self.max_depth])
+        if not self.budget:
+            return 0, 0
+        # Deeper, while the best nodes reach the depth limit: as deep as 1 / LOOK_EVERY of the
+        # step buys, or one depth every DEEPEN_EVERY tree steps
+        passes = self.gains[(self.budget, self.depth)][1]
+        spare = self.seconds((self.budget, self.depth), passes) / self.LOOK_EVERY
+        limit = min(self.budget, self.max_depth)  # b nodes are never deeper than b
+        deeper = [d for d in self.DEPTHS if self.depth < d < limit] + [limit] * (self.depth < limit)
+        cheap = [d for d in deeper if (d - self.depth) * self.draft_s <= spare]
+        if deeper and passes > self.depth - 1:
+            if cheap:
+                return self.budget, cheap[-1]
+            if self.tree_steps % self.DEEPEN_EVERY == 0:
+                return self.budget, deeper[0]
         return self.budget, self.depth
