@@ -632,6 +632,18 @@ def test_cost_model_holds_tree_steps_against_what_they_were_promised():
     assert cost.given == pytest.approx(given)  # plain steps promise nothing
 
 
+def test_cost_model_update_reads_each_edge_a_bounded_number_of_times(monkeypatch):
+    """Auto's own time is time plain decoding does not spend: an update walks the tree's edges
+    a few times (the reach before the step taught anything, the gains after), never once per
+    node for each node."""
+    cost, calls = CostModel(max_depth=16), []
+    real = cost.follow_rate
+    monkeypatch.setattr(cost, "follow_rate", lambda logprob: calls.append(1) or real(logprob))
+    tree = chain_tree(64, logprob=-0.1)
+    observe(cost, (64, 16), 65, 0.1, 1.0, 16, tree, path=[1, 2])  # no promise: reach is read
+    assert 0 < len(calls) <= 2 * 64
+
+
 def simulate(cost, n_tokens, followed, draft_s, pass_s, prompt=100):
     """Run `cost` as the loop would, on made-up steps: each tree a sure chain as long as its
     depth, of which the target follows the first `followed` nodes; a target pass over n tokens

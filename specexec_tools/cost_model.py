@@ -113,24 +113,27 @@ class CostModel:
         them; outside, on the line through the nearest two (never below the nearest). A pass
         never costs more than a bigger one: a size measured in a busy moment counts as the
         cheapest bigger size, so that one slow pass cannot rule its size out for good."""
-        sizes, cheapest = self.pass_curve()
+        sizes, cheapest, known = self.pass_curve()
         if len(sizes) == 1:
             return cheapest[0]
-        i = min(max(1, sum(size < n for size in sizes)), len(sizes) - 1)  # the segment
-        (n0, t0), (n1, t1) = zip(sizes[i - 1 : i + 1], cheapest[i - 1 : i + 1])
-        seconds = t0 + (t1 - t0) / (n1 - n0) * (n - n0)
-        return max(seconds, t1) if n > n1 else max(seconds, 0.0)
+        if n not in known:
+            i = min(max(1, sum(size < n for size in sizes)), len(sizes) - 1)  # the segment
+            (n0, t0), (n1, t1) = zip(sizes[i - 1 : i + 1], cheapest[i - 1 : i + 1])
+            seconds = t0 + (t1 - t0) / (n1 - n0) * (n - n0)
+            known[n] = max(seconds, t1) if n > n1 else max(seconds, 0.0)
+        return known[n]
 
     def pass_curve(self):
-        """The sizes run, ascending, and the cheapest pass at each size or above (remembered
-        until a pass is measured: `rates` reads it for every candidate)."""
-        if not self.curve or self.curve[2] != self.target_s:
+        """The sizes run, ascending, the cheapest pass at each size or above, and t_target's
+        answers so far (all remembered until a pass is measured: `rates` reads them for every
+        candidate at every step, and auto's own time is time plain decoding does not spend)."""
+        if not self.curve or self.curve[3] != self.target_s:
             sizes = sorted(self.target_s)
             cheapest = [self.target_s[size] for size in sizes]
             for i in reversed(range(len(sizes) - 1)):
                 cheapest[i] = min(cheapest[i], cheapest[i + 1])
-            self.curve = sizes, cheapest, dict(self.target_s)
-        return self.curve[:2]
+            self.curve = sizes, cheapest, {}, dict(self.target_s)
+        return self.curve[:3]
 
     def from_parts(self, budget, passes):
         """A step's seconds from its parts: draft passes, one target pass, the rest."""
@@ -219,7 +222,8 @@ class CostModel:
         self.draft_s = running_mean(old_draft_s, step.draft_s / passes)
         tree, path = step.tree, step.path
         if self.promise is None:  # chosen before its gains were seen: as its draft expected
-            self.promise = 1 + sum(self.reach(tree)[node] for node in tree.best()), step.total_s
+            reach = self.reach(tree)
+            self.promise = 1 + sum(reach[node] for node in tree.best()), step.total_s
         promise, self.promise = self.promise, None
         self.given = tuple(a + b for a, b in zip(self.given, (len(step.tokens), step.total_s)))
         self.promised = tuple(a + b for a, b in zip(self.promised, promise))
@@ -241,10 +245,10 @@ class CostModel:
         # every size would cost the same: stay at the trees run until a second draws the line.
         sizes = sorted(self.target_s)
         largest = max(self.GROWTH * self.largest, sizes[-1] - 1) if sizes[1:] else self.largest
-        for (b, depth), (_, passes) in self.gains.items():
+        scale = self.rate_scale
+        for (b, depth), (gain, passes) in self.gains.items():
             if b <= largest:
-                gain = self.gains[(b, depth)][0]
-                rates[(b, depth)] = self.rate_scale * gain / self.seconds((b, depth), passes)
+                rates[(b, depth)] = scale * gain / self.seconds((b, depth), passes)
         return rates
 
     def look_cost(self, look):
