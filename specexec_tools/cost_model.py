@@ -221,10 +221,10 @@ class CostModel:
         old_draft_s = self.draft_s if self.tree_steps > 2 else None
         self.draft_s = running_mean(old_draft_s, step.draft_s / passes)
         tree, path = step.tree, step.path
-        if self.promise is None:  # chosen before its gains were seen: as its draft expected
-            reach = self.reach(tree)
-            self.promise = 1 + sum(reach[node] for node in tree.best()), step.total_s
         promise, self.promise = self.promise, None
+        if promise is None:  # chosen before its gains were seen (the first): as its draft expected
+            reach = self.reach(tree)
+            promise = 1 + sum(reach[node] for node in tree.best()), step.total_s
         self.given = tuple(a + b for a, b in zip(self.given, (len(step.tokens), step.total_s)))
         self.promised = tuple(a + b for a, b in zip(self.promised, promise))
         picked = dict(zip([0, *path], step.tokens))  # at each node reached, the target's pick
@@ -257,9 +257,10 @@ class CostModel:
 
     def choose(self):
         """This step's (budget, depth); a tree's predicted (tokens, seconds) kept as its promise."""
-        choice = self.decide()
-        passes = self.gains[choice][1] if choice in self.gains else None
-        self.promise = (self.gains[choice][0], self.seconds(choice, passes)) if passes else None
+        choice, self.promise = self.decide(), None
+        if choice in self.gains:  # a tree whose gains were seen (plain decoding's never are)
+            gain, passes = self.gains[choice]
+            self.promise = gain, self.seconds(choice, passes)
         return choice
 
     def decide(self):
