@@ -77,6 +77,7 @@ class Cpu:
     it is simply the time it was recorded at, and waits are free."""
 
     staging = None  # slots are host memory: a disk read lands in one directly, not via staging
+    queues = False  # copies run when issued, on the issuing thread (the reader's, beside compute)
     device, pinned_bytes = torch.device("cpu"), 0
     # wait_event(stream, event), host_wait(event), free_host(buffer), close(): nothing to do
     wait_event = host_wait = free_host = close = lambda self, *args: None
@@ -113,6 +114,7 @@ class Cuda(Cpu):
     """
 
     staging = (4, 32 * 2**20)  # pinned chunks a disk read passes through: count, bytes each
+    queues = True  # a copy is queued on the copy stream and the host goes on at once
 
     def __init__(self, device: torch.device):
         self.device, self.registered, self.pinned_bytes = device, [], 0
@@ -217,6 +219,7 @@ class Storage:
     """
 
     layouts: list[Layout]
+    reads_disk = False  # whether a load blocks the host on the disk
 
     def slot_nbytes(self) -> int:
         return max(layout.nbytes for layout in self.layouts)
@@ -305,6 +308,7 @@ class DiskStorage(Storage):
     """
 
     piece_nbytes = 32 * 2**20  # the most one pread asks for (through staging: a chunk)
+    reads_disk = True
 
     def __init__(self, layers: list[dict[str, files.Entry]], ops, nbytes: int | None = None):
         self.layouts, self.reads = zip(*(plan_reads(entries) for entries in layers), strict=True)
@@ -388,6 +392,7 @@ class Dequantizing(Storage):
 
     def __init__(self, storage: Storage, shapes: dict, dtype: torch.dtype, kind: str):
         self.storage, self.layouts, self.kind = storage, storage.layouts, kind
+        self.reads_disk = storage.reads_disk
         self.start = storage.slot_nbytes()  # a whole number of pages
         plain = quant.stored_layer(shapes, dtype, None)  # meta tensors in the compute dtype
         self.weights = pack({n: w for n, w in plain.items() if quant.is_weight(n)})
@@ -478,11 +483,19 @@ class LayerRing:
             return
         assert len(self.queue) + (self.in_use is not None) < len(self.slots), "the ring is full"
         slot, self.next_slot = self.next_slot, (self.next_slot + 1) % len(self.slots)
-        issued = self.reader.submit(self._load, layer, slot, self.freed[slot])
+        issue = partial(self._load, layer, slot, self.freed[slot])
+        if self.ops.queues and not self.storage.reads_disk:
+            # RAM to a GPU: the copy is only queued, so it is issued here. On the reader thread
+            # it would wait for the interpreter while this thread queues kernels (on an H100 the
+            # copy engine then idled a third of a pass: docs/results.md, "On a GPU")
+            issued = concurrent.futures.Future()
+            issued.set_result(issue())
+        else:  # disk reads, or copies that run as issued: on the reader thread, beside compute
+            issued = self.reader.submit(issue)
         self.queue.append(Load(layer, slot, issued))
 
     def _load(self, layer: int, slot: int, freed) -> tuple[object, object]:
-        """On the reader thread, which issues the copy stream's work: one layer into its slot."""
+        """Issues the copy stream's work for one layer into its slot (see prefetch: where)."""
         if freed is not None:  # the slot's last occupant has run: only then overwrite it
             self.ops.wait_event("copy", freed)
         started = self.ops.record("copy")

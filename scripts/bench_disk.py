@@ -5,13 +5,15 @@
     python -m scripts.bench_disk --folder big-target   # measure it (grown once, kept)
     python -m scripts.bench_disk --target SmolLM2-135M-Instruct --layers 0 --draft-layers 8 \\
         --budgets 4,16,64,auto --draft-threads 0   # a weak real pair: a model, its first layers
+    python -m scripts.bench_disk --device cuda --offload ram   # a GPU, the layers in pinned RAM
 
 The default target (12 MB) is grown into one big enough that reading it from disk dominates a
 pass, that still says what the trained target says (`grow_target`); `--layers 0` streams the
 target as it is. Rows, each on every prompt before the next prompt, after one warm-up each: plain
-decoding streamed by offload.py (ssd); accelerate's disk offload of the same checkpoint with plain
-and with assisted `generate`; SpecExec at each budget. Every row checked token for token against
-plain decoding; the offloader's reads alone, before and after the rows, give the disk's speed.
+decoding streamed by offload.py (ssd, or ram); accelerate's offload of the same checkpoint ("disk",
+or "cpu" to a GPU) with plain and with assisted `generate`; SpecExec at each budget. Every row
+checked token for token against plain decoding; the offloader's transfers alone, before and after
+the rows, give the disk's (or the link's) speed.
 docs/results.md says more of the grown target and the peers.
 """
 
@@ -51,6 +53,8 @@ class DiskBenchConfig:
     tokens: int = option(48, "new tokens per prompt")
     budgets: str = option("1,4,8,16,32,64,128,256,auto", "SpecExec budgets, comma-separated")
     draft_threads: int = option(specexec.Options.draft_threads, "threads of the draft's passes")
+    device: str = option("cpu", "where the target computes and the draft lives: cpu, cuda")
+    offload: str = option("ssd", "the target's layers read each pass from: ssd, or ram (cuda)")
     skip_peers: bool = option(False, "no accelerate rows")
     plot: str = option(str(common.HERE / "figures" / "bench_disk.png"), "where the PNG goes")
 
@@ -110,23 +114,28 @@ def grow_target(source, dest, n_layers, intermediate, seed=0):
 # ---- the peers: accelerate's disk offload of the same checkpoint ----
 
 
-def accelerate_target(folder, dtype):
-    """The checkpoint in `folder` as accelerate streams it: every decoder layer on "disk", read
-    from the safetensors files in place at each forward (float32 files: no copy is made), the
-    rest in memory; the files dropped from the page cache before every pass."""
+def accelerate_target(folder, dtype, device, tier):
+    """The checkpoint in `folder` as accelerate streams it to `device`: every decoder layer on
+    "disk" (ssd: read from the safetensors files in place at each forward, float32 files needing
+    no copy, dropped from the page cache before every pass) or in "cpu" memory (ram: copied to
+    the GPU at each forward), the rest on the device."""
     n_layers = AutoConfig.from_pretrained(folder).num_hidden_layers
-    device_map = dict.fromkeys(["model.embed_tokens", "model.norm", "model.rotary_emb"], "cpu")
-    device_map |= {"lm_head": "cpu"} | {f"model.layers.{i}": "disk" for i in range(n_layers)}
+    where = "disk" if tier == "ssd" else "cpu"  # the layers
+    on = "cpu" if device.type == "cpu" else device.index or 0  # the rest; a GPU by its index
+    device_map = dict.fromkeys(["model.embed_tokens", "model.norm", "model.rotary_emb"], on)
+    device_map |= {"lm_head": on} | {f"model.layers.{i}": where for i in range(n_layers)}
     copies = Path.home() / ".cache" / "specexec" / "accelerate"  # only for non-float32 files
     placed = dict(device_map=device_map, offload_folder=copies, dtype=dtype)
     model = AutoModelForCausalLM.from_pretrained(folder, **placed).eval()
     os.sync()
 
     def cold(module, args):
-        for where in (folder, copies):
-            common.evict_page_cache(where)
+        for where in (folder, copies):  # copies: none where the files are float32 already
+            if where.exists():
+                common.evict_page_cache(where)
 
-    model.register_forward_pre_hook(cold)
+    if tier == "ssd":
+        model.register_forward_pre_hook(cold)
     return model
 
 
@@ -145,22 +154,25 @@ def run(cfg, folder):
         start = time.perf_counter()
         grow_target(cfg.target, folder, cfg.layers, cfg.intermediate)
         print(f"grew {cfg.target} into {folder} in {time.perf_counter() - start:.0f} s")
-    cpu, float32 = torch.device("cpu"), torch.float32
-    streamed = dict(mode="ssd", device=cpu, dtype=float32, offload_dir=common.COPIES)
+    device, float32 = torch.device(cfg.device), torch.float32
+    streamed = dict(mode=cfg.offload, device=device, dtype=float32, offload_dir=common.COPIES)
     target = offload.from_pretrained(folder, **streamed)
     read_before, nbytes = common.read_alone(target)
     if cfg.draft_layers:  # a truncated copy of the target, in memory
         first = dict(num_hidden_layers=cfg.draft_layers, dtype=float32)
-        draft = AutoModelForCausalLM.from_pretrained(folder, **first).eval()
+        draft = AutoModelForCausalLM.from_pretrained(folder, **first).to(device).eval()
         what = f"the target's first {cfg.draft_layers} layers"
     else:
-        draft, what = models.load(cfg.draft, cpu, float32), cfg.draft
-    peer = None if cfg.skip_peers else accelerate_target(folder, float32)
+        draft, what = models.load(cfg.draft, device, float32), cfg.draft
+    # the peer streams what the target streams (ram on a CPU: nothing to stream, no peer)
+    streams = not cfg.skip_peers and (cfg.offload == "ssd" or device.type != "cpu")
+    peer = accelerate_target(folder, float32, device, cfg.offload) if streams else None
     # the peer's passes count as the target's
     meters = [common.Meter(target, *[peer] * bool(peer)), common.Meter(draft)]
     prompt_ids, eos = common.held_out_prompts(folder, cfg.prompts)
     print(f"{len(prompt_ids)} held-out prompts x {cfg.tokens} new tokens, greedy; target "
-          f"{folder} streamed (float32, cpu), draft {what} in memory (float32)\n")  # fmt: skip
+          f"{folder} streamed from {cfg.offload} (float32, {device}), draft {what} in memory "
+          f"(float32, {device})\n")  # fmt: skip
 
     def plain(i, ids, n=cfg.tokens):
         return specexec.autoregressive(target, ids, max_new_tokens=n, eos_token_id=eos)
@@ -175,15 +187,17 @@ def run(cfg, folder):
     def accelerate(assistant):
         def decode(i, ids, n=cfg.tokens):
             options = dict(max_new_tokens=n, eos_token_id=eos, pad_token_id=eos, do_sample=False)
-            out = peer.generate(torch.tensor([ids]), assistant_model=assistant, **options)
-            return out[0, len(ids) :].tolist(), None  # (1, len(ids) + new)
+            ids = torch.tensor([ids], device=device)  # (1, len(ids))
+            out = peer.generate(ids, assistant_model=assistant, **options)
+            return out[0, ids.shape[1] :].tolist(), None  # (1, len(ids) + new)
 
         return decode
 
     row = functools.partial(common.Row, "streamed")
     methods = [(row("plain decoding"), plain)]
     peers = [] if peer is None else [("plain", None), ("assisted", draft)]
-    methods += [(row(f"accelerate disk offload, {name}"), accelerate(a)) for name, a in peers]
+    name = "accelerate disk offload" if cfg.offload == "ssd" else "accelerate cpu offload"
+    methods += [(row(f"{name}, {how}"), accelerate(a)) for how, a in peers]
     methods += [(row("SpecExec", b), speculative(b)) for b in common.budgets(cfg.budgets)]
     with target, torch.no_grad():
         for _, decode in methods:  # warm-up: threads, allocator, lazy initialisation
@@ -192,14 +206,17 @@ def run(cfg, folder):
         read_after, _ = common.read_alone(target)  # a shared disk's speed drifts
     read_s = (read_before + read_after) / 2
     common.print_table(rows)
-    print(f"\ndisk, the offloader's reads of the {nbytes / 1e9:.2f} GB of layers with nothing "
-          f"computing (O_DIRECT): {read_before:.2f} s before the rows, {read_after:.2f} s after: "
+    how = "O_DIRECT reads" if cfg.offload == "ssd" else "copies from pinned RAM"
+    print(f"\n{cfg.offload}, the offloader's transfers of the {nbytes / 1e9:.2f} GB of layers "
+          f"with nothing computing ({how}): {read_before:.2f} s before the rows, "
+          f"{read_after:.2f} s after: "
           f"{nbytes / 1e9 / read_s:.2f} GB/s on average; load average at the end: "
           f"{os.getloadavg()[0]:.1f}")  # fmt: skip
+    on = f"{os.cpu_count()}-core CPU" if device.type == "cpu" else torch.cuda.get_device_name()
     title = (
-        f"A {nbytes / 1e9:.1f} GB target streamed from disk each pass, greedy, against "
-        f"accelerate's disk offload\n({folder.name}, float32; draft {Path(what).name}; "
-        f"{os.cpu_count()}-core CPU, {started[:10]}); lines: the rows without a fixed budget"
+        f"A {nbytes / 1e9:.1f} GB target streamed from {cfg.offload} each pass, greedy, against "
+        f"accelerate's offload\n({folder.name}, float32; draft {Path(what).name}; "
+        f"{on}, {started[:10]}); lines: the rows without a fixed budget"
     )
     common.plot_budgets(rows, cfg.plot, title)
 

@@ -83,9 +83,9 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
 def dequantize(levels: torch.Tensor, scale: torch.Tensor, kind: str, out=None) -> torch.Tensor:
     """quantize's output -> the (out, in) weight in the scale's dtype, written into `out` if given.
 
-    In place, asking torch for no tensor of its own: int4's nibbles are cast as they are written
-    into `out` (CUDA's kernels cast as they write; on the CPU torch casts through a buffer of its
-    own), then - 8 and * scale pass over it, eager torch having no one kernel for (q - 8) * scale.
+    In place: int4's nibbles, taken apart as bytes (torch has no bitwise kernel that writes
+    floats on CUDA), are cast as they are written into `out`; then - 8 and * scale pass over it,
+    eager torch having no one kernel for (q - 8) * scale.
     One CPU core does roughly 0.5-1 billion weights a second: slower than the float16 bytes it
     saves arrive there (README).
     """
@@ -97,8 +97,8 @@ def dequantize(levels: torch.Tensor, scale: torch.Tensor, kind: str, out=None) -
         out.view(rows, cols).copy_(levels)  # integers to floats: exact; out may be stacked
     else:  # low nibbles straight into the even inputs, high into the odd: nothing unpacked
         pairs = out.view(rows, cols // 2, 2)  # (out, in // 2, 2)
-        torch.bitwise_and(levels, 15, out=pairs[..., 0])
-        torch.bitwise_right_shift(levels, 4, out=pairs[..., 1])
+        pairs[..., 0] = levels & 15  # (out, in // 2) bytes, then floats
+        pairs[..., 1] = levels >> 4
         grouped.sub_(8)  # the nibbles hold q + 8
     grouped.mul_(scale.view(rows, -1, 1))  # the one rounding
     return out
