@@ -539,7 +539,7 @@ class FixedBudget:
     budget: int
     depth: int
 
-    def choose(self):
+    def choose(self, left=None):  # left: tokens still to come (auto's looks heed them)
         return self.budget, self.depth
 
     def update(self, step):
@@ -562,11 +562,12 @@ def decode_loop(run, seq, policy, eos, on_tokens):
     stats.seed = run.seed if run.opts.temperature > 0 else None  # the one that reproduces it
     start = time.perf_counter()
     while len(new_tokens) < run.opts.max_new_tokens and len(seq) < run.limit:
-        budget, depth = policy.choose()
+        left = min(run.opts.max_new_tokens - len(new_tokens), run.limit - len(seq))
+        budget, depth = policy.choose(left)
         step = (speculative_step if budget else plain_step)(run, seq, budget, depth)
         policy.update(step)
         # Cut at the token limit, the context, and just after the first EOS.
-        tokens = step.tokens[: min(run.opts.max_new_tokens - len(new_tokens), run.limit - len(seq))]
+        tokens = step.tokens[:left]
         ends = [i for i, t in enumerate(tokens) if t in eos]
         tokens = tokens[: ends[0] + 1] if ends else tokens
         stats.add(step, len(tokens))

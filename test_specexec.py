@@ -516,8 +516,9 @@ def test_tree_gains_are_a_plain_walk_over_the_best_nodes(parents, max_depth, dat
 def test_cost_model_looks_at_the_draft_again_after_plain_steps_worth_many_lost_looks():
     """Plain decoding chosen: a tree step comes again once plain steps in a row have taken
     LOOK_EVERY times the most that look can lose (a tree step's seconds less a plain step's:
-    it gives the bonus at least), and each look that finds nothing doubles the wait, so
-    looking is a small share of the time however wrong the draft."""
+    it gives the bonus at least), and each tree step that does not beat a plain one doubles the
+    wait until one does, so looking is a small share of the time however wrong the draft; and
+    none where the plain steps still to come would take less than LOOK_EVERY lost looks."""
     cost = CostModel(max_depth=8, target_s={1: 0.01, 9: 0.5}, draft_s=0.1, largest=8, tree_steps=1)
     cost.gains = {(8, 4): (3.0, 4)}  # a tree step: 4 draft passes + a pass over 9 = 0.9 s
     assert cost.choose() == (0, 0)  # 3 tokens in 0.9 s; plain decoding 1 in 0.01 s
@@ -531,8 +532,14 @@ def test_cost_model_looks_at_the_draft_again_after_plain_steps_worth_many_lost_l
     assert cost.choose() == (0, 0)  # the next look waits twice as long
     cost.plain_s = 2.01 * cost.LOOK_EVERY * lost
     assert cost.choose() == (8, 4) and cost.looks == 2
-    cost.draft_s, cost.target_s[9] = 0.001, 0.005  # a tree pays: the waits start over
-    assert cost.choose() == (8, 4) and cost.looks == 0
+    cost.plain_s = 4.01 * cost.LOOK_EVERY * lost
+    left = cost.LOOK_EVERY * lost / 0.01  # plain steps (0.01 s) worth LOOK_EVERY lost looks
+    assert cost.choose(left=int(left) - 1) == (0, 0)  # too few still to come: no look
+    assert cost.choose(left=int(left) + 1) == (8, 4) and cost.looks == 3
+    cost.draft_s, cost.target_s[9] = 0.001, 0.005  # trees would pay: one is chosen,
+    assert cost.choose() == (8, 4) and cost.looks == 3  # not a look; no wait starts over yet
+    observe(cost, (8, 4), 9, 0.004, 0.005, 4, chain_tree(8, -0.1), [1, 2])  # 3 tokens, 9 ms
+    assert cost.looks == 0  # a tree step beat a plain one: the waits start over
 
 
 def test_cost_model_measures_a_second_size_with_a_plain_step_unless_the_target_streams():

@@ -130,9 +130,8 @@ def accelerate_target(folder, dtype, device, tier):
     os.sync()
 
     def cold(module, args):
-        for where in (folder, copies):  # copies: none where the files are float32 already
-            if where.exists():
-                common.evict_page_cache(where)
+        for where in filter(Path.exists, (folder, copies)):  # no copies of float32 files
+            common.evict_page_cache(where)
 
     if tier == "ssd":
         model.register_forward_pre_hook(cold)
@@ -151,9 +150,8 @@ def run(cfg, folder):
     config = folder / "config.json"
     grown = config.exists() and json.loads(config.read_text())["num_hidden_layers"] == cfg.layers
     if cfg.layers and not grown:
-        start = time.perf_counter()
         grow_target(cfg.target, folder, cfg.layers, cfg.intermediate)
-        print(f"grew {cfg.target} into {folder} in {time.perf_counter() - start:.0f} s")
+        print(f"grew {cfg.target} into {folder}")
     device, float32 = torch.device(cfg.device), torch.float32
     streamed = dict(mode=cfg.offload, device=device, dtype=float32, offload_dir=common.COPIES)
     target = offload.from_pretrained(folder, **streamed)
@@ -170,9 +168,8 @@ def run(cfg, folder):
     # the peer's passes count as the target's
     meters = [common.Meter(target, *[peer] * bool(peer)), common.Meter(draft)]
     prompt_ids, eos = common.held_out_prompts(folder, cfg.prompts)
-    print(f"{len(prompt_ids)} held-out prompts x {cfg.tokens} new tokens, greedy; target "
-          f"{folder} streamed from {cfg.offload} (float32, {device}), draft {what} in memory "
-          f"(float32, {device})\n")  # fmt: skip
+    print(f"{len(prompt_ids)} held-out prompts x {cfg.tokens} new tokens, greedy; target {folder}"
+          f" streamed from {cfg.offload}, draft {what}; float32 on {device}\n")  # fmt: skip
 
     def plain(i, ids, n=cfg.tokens):
         return specexec.autoregressive(target, ids, max_new_tokens=n, eos_token_id=eos)
@@ -208,16 +205,13 @@ def run(cfg, folder):
     common.print_table(rows)
     how = "O_DIRECT reads" if cfg.offload == "ssd" else "copies from pinned RAM"
     print(f"\n{cfg.offload}, the offloader's transfers of the {nbytes / 1e9:.2f} GB of layers "
-          f"with nothing computing ({how}): {read_before:.2f} s before the rows, "
-          f"{read_after:.2f} s after: "
-          f"{nbytes / 1e9 / read_s:.2f} GB/s on average; load average at the end: "
+          f"with nothing computing ({how}): {read_before:.2f} s before the rows, {read_after:.2f}"
+          f" s after: {nbytes / 1e9 / read_s:.2f} GB/s on average; load average at the end: "
           f"{os.getloadavg()[0]:.1f}")  # fmt: skip
     on = f"{os.cpu_count()}-core CPU" if device.type == "cpu" else torch.cuda.get_device_name()
-    title = (
-        f"A {nbytes / 1e9:.1f} GB target streamed from {cfg.offload} each pass, greedy, against "
-        f"accelerate's offload\n({folder.name}, float32; draft {Path(what).name}; "
-        f"{on}, {started[:10]}); lines: the rows without a fixed budget"
-    )
+    title = (f"A {nbytes / 1e9:.1f} GB target streamed from {cfg.offload} each pass, greedy, "
+             f"against accelerate's offload\n({folder.name}, float32; draft {Path(what).name}; "
+             f"{on}, {started[:10]}); lines: the rows without a fixed budget")  # fmt: skip
     common.plot_budgets(rows, cfg.plot, title)
 
 

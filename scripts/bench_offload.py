@@ -223,17 +223,14 @@ def quality(target: str, windows: int, seq_len: int = 512, batch: int = 8) -> st
 def bench_cuda(folder: Path, tokens: list[int], opts: BenchConfig, dtype: torch.dtype) -> str:
     """Per tier and token count: pass seconds by CUDA events, the copy timeline, GB/s vs raw."""
     lines = [
-        f"machine: {machine()}; random Llama, {opts.layers} layers, {dtype}, "
-        + f"buffers={opts.buffers}",
+        f"machine: {machine()}; random Llama, {opts.layers} layers, {dtype}, {opts.buffers} slots",
         "busy = copy engine busy / pass; gap = idle time between copies (mean, max); overlap = "
-        + "copy time that ran beside a kernel / copy time; raw = pinned host-to-device copy "
-        + "(ram) or cold O_DIRECT read (ssd) alone",
+        "copy time beside a kernel / copy time; raw = pinned copies (ram), cold reads (ssd) alone",
     ]
     resident = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).cuda().eval()
-    compute = {}
     for n in tokens:  # each shape once untimed: kernel choice and lazy loading stay out
         one_pass(resident, n, "cuda")
-        compute[n] = cuda_seconds(partial(one_pass, resident, n, "cuda"))
+    compute = {n: cuda_seconds(partial(one_pass, resident, n, "cuda")) for n in tokens}
     del resident
     torch.cuda.empty_cache()
     header = "| tier | tokens | pass ms | compute ms | busy | gap ms, mean | gap ms, max | overlap "

@@ -65,9 +65,12 @@ class CostModel:
     Budget 0 is plain decoding (E = 1, no draft pass). Once plain steps in a row have taken
     `LOOK_EVERY` times the most the best tree step could lose against a plain step (its seconds
     less a plain step's: it gives the bonus at least), one tree step looks at the draft's
-    predictions again, and each look that finds nothing doubles the wait for the next: looking
+    predictions again, and each tree step that does not beat a plain one doubles the wait for
+    the next look, until one does: looking
     costs at most 1 / LOOK_EVERY of the time at first, and less as the run goes, however dear
-    or wrong the draft (the target's own quantized copy costs what the target does).
+    or wrong the draft (the target's own quantized copy costs what the target does). Nor does
+    it look when the plain steps still to come would take less than that many looks: a draft
+    found good so late has no time left to pay for the look.
 
     Deeper. A deeper tree's gains are seen only by a tree searched that deep. While the best
     nodes reach the depth limit, the search goes as deep as 1 / LOOK_EVERY of the step buys in
@@ -92,7 +95,7 @@ class CostModel:
     steps: int = 0
     tree_steps: int = 0
     plain_s: float = 0.0  # seconds of plain steps in a row
-    looks: int = 0  # tree steps chosen only to look again, since a tree last paid
+    looks: int = 0  # tree steps chosen only to look again, since a tree step last paid
     # Sums over the run's tree steps of (tokens, seconds): as they came, and as promised
     given: tuple = (0.0, 0.0)
     promised: tuple = (0.0, 0.0)
@@ -215,6 +218,8 @@ class CostModel:
         self.plain_s = 0.0 if budget else self.plain_s + step.total_s
         if not budget:
             return
+        if len(step.tokens) / step.total_s > 1 / self.seconds((0, 0), 0):
+            self.looks = 0  # it paid: looks, if needed again, start from the shortest wait
         self.tree_steps, self.largest = self.tree_steps + 1, max(self.largest, budget)
         # The first tree's draft passes read the prompt too: its draft pass stands only until
         # a second tree's replaces it (as the first step's whole cost does for other_s).
@@ -255,15 +260,16 @@ class CostModel:
         """The most a step of `look` can lose against a plain step: it gives the bonus at least."""
         return self.seconds(look, self.gains[look][1]) - self.seconds((0, 0), 0)
 
-    def choose(self):
-        """This step's (budget, depth); a tree's predicted (tokens, seconds) kept as its promise."""
-        choice, self.promise = self.decide(), None
+    def choose(self, left=math.inf):
+        """This step's (budget, depth), `left` tokens still to come; a tree's predicted (tokens,
+        seconds) kept as its promise."""
+        choice, self.promise = self.decide(left), None
         if choice in self.gains:  # a tree whose gains were seen (plain decoding's never are)
             gain, passes = self.gains[choice]
             self.promise = gain, self.seconds(choice, passes)
         return choice
 
-    def decide(self):
+    def decide(self, left):
         """The (budget, depth) with the most tokens/s, a look at the draft, or a deeper search."""
         if not self.gains or self.draft_s is None:  # nothing measured yet
             return self.budget, min(self.FIRST_DEPTH, self.max_depth)
@@ -272,11 +278,12 @@ class CostModel:
         rates = self.rates()
         self.budget, self.depth = max(rates, key=rates.get)
         look = max((choice for choice in rates if choice[0]), key=rates.get, default=None)
-        if self.budget:
-            self.looks = 0
-        elif look and self.plain_s >= self.LOOK_EVERY * 2**self.looks * self.look_cost(look):
-            self.budget, self.depth = look  # the best tree step: look at the draft again
-            self.looks += 1
+        if not self.budget and look:  # after plain steps worth LOOK_EVERY looks, as many to come
+            waits = self.LOOK_EVERY * self.look_cost(look)
+            ahead = left * self.seconds((0, 0), 0)
+            if self.plain_s >= 2**self.looks * waits and ahead >= waits:
+                self.budget, self.depth = look  # the best tree step: look at the draft again
+                self.looks += 1
         if not self.budget:
             return 0, 0
         # Deeper, while the best nodes reach the depth limit: as deep as 1 / LOOK_EVERY of the
