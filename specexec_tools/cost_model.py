@@ -65,12 +65,11 @@ class CostModel:
     Budget 0 is plain decoding (E = 1, no draft pass). Once plain steps in a row have taken
     `LOOK_EVERY` times the most the best tree step could lose against a plain step (its seconds
     less a plain step's: it gives the bonus at least), one tree step looks at the draft's
-    predictions again, and each tree step that does not beat a plain one doubles the wait for
-    the next look, until one does: looking
-    costs at most 1 / LOOK_EVERY of the time at first, and less as the run goes, however dear
-    or wrong the draft (the target's own quantized copy costs what the target does). Nor does
-    it look when the plain steps still to come would take less than that many looks: a draft
-    found good so late has no time left to pay for the look.
+    predictions again, and each look doubles the wait for the next until a tree step beats a
+    plain one: looking costs at most 1 / LOOK_EVERY of the time at first, and less as the run
+    goes, however dear or wrong the draft (the target's own quantized copy costs what the target
+    does). Nor does it look when the plain steps still to come would take less than that many
+    looks: a draft found good so late has no time left to pay for the look.
 
     Deeper. A deeper tree's gains are seen only by a tree searched that deep. While the best
     nodes reach the depth limit, the search goes as deep as 1 / LOOK_EVERY of the step buys in
