@@ -516,9 +516,9 @@ def test_tree_gains_are_a_plain_walk_over_the_best_nodes(parents, max_depth, dat
 def test_cost_model_looks_at_the_draft_again_after_plain_steps_worth_many_lost_looks():
     """Plain decoding chosen: a tree step comes again once plain steps in a row have taken
     LOOK_EVERY times the most that look can lose (a tree step's seconds less a plain step's:
-    it gives the bonus at least), and each tree step that does not beat a plain one doubles the
-    wait until one does, so looking is a small share of the time however wrong the draft; and
-    none where the plain steps still to come would take less than LOOK_EVERY lost looks."""
+    it gives the bonus at least), and each look doubles the wait for the next until a tree step
+    beats a plain one, so looking is a small share of the time however wrong the draft; and none
+    where the plain steps still to come would take less than LOOK_EVERY lost looks."""
     cost = CostModel(max_depth=8, target_s={1: 0.01, 9: 0.5}, draft_s=0.1, largest=8, tree_steps=1)
     cost.gains = {(8, 4): (3.0, 4)}  # a tree step: 4 draft passes + a pass over 9 = 0.9 s
     assert cost.choose() == (0, 0)  # 3 tokens in 0.9 s; plain decoding 1 in 0.01 s
