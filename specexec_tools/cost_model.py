@@ -278,9 +278,9 @@ class CostModel:
         self.budget, self.depth = max(rates, key=rates.get)
         look = max((choice for choice in rates if choice[0]), key=rates.get, default=None)
         if not self.budget and look:  # after plain steps worth LOOK_EVERY looks, as many to come
-            waits = self.LOOK_EVERY * self.look_cost(look)
-            ahead = left * self.seconds((0, 0), 0)
-            if self.plain_s >= 2**self.looks * waits and ahead >= waits:
+            wait = self.LOOK_EVERY * self.look_cost(look)  # the shortest wait before a look
+            ahead = left * self.seconds((0, 0), 0)  # plain steps still to come
+            if self.plain_s >= 2**self.looks * wait and ahead >= wait:
                 self.budget, self.depth = look  # the best tree step: look at the draft again
                 self.looks += 1
         if not self.budget:
