@@ -647,6 +647,7 @@ class OffloadedCausalLM(nn.Module):
         self.hf = hf_model  # all on the device, except the decoder layers' weights
         self.layouts = storage.layouts
         self.converted_folder: Path | None = None  # set by from_pretrained
+        self.quantized: str | None = None  # "int8" / "int4": set by from_pretrained
         self.stats = PassStats(resident_layers=len(self.ring.kept))
 
     config = property(lambda self: self.hf.config)
@@ -655,6 +656,7 @@ class OffloadedCausalLM(nn.Module):
     dtype = property(lambda self: self.hf.lm_head.weight.dtype)
     pinned_bytes = property(lambda self: self.ring.ops.pinned_bytes)  # host memory pinned (CUDA)
     closed = property(lambda self: not self.finalizer.alive)
+    streams = property(lambda self: bool(self.ring.order))  # some layer moves every pass
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, **kwargs):  # (batch, q); as the wrapped model's
@@ -796,7 +798,7 @@ def from_pretrained(
             storage = Dequantizing(storage, shapes, dtype, quantize)
         model = OffloadedCausalLM(hf, storage, buffers, ops, n_resident)
         undo.pop_all()  # the model's own now: its close() or finalizer gives them back
-    model.converted_folder = converted
+    model.converted_folder, model.quantized = converted, quantize
     return model
 
 

@@ -538,6 +538,7 @@ class FixedBudget:
 
     budget: int
     depth: int
+    why: str = ""  # for the summary: why a run with a draft decodes plainly
 
     def choose(self, left=None):  # left: tokens still to come (auto's looks heed them)
         return self.budget, self.depth
@@ -546,13 +547,34 @@ class FixedBudget:
         pass
 
 
-def make_policy(opts):
-    """The policy `opts.budget` names: a fixed budget, or "auto"."""
-    if opts.budget == "auto":
-        from specexec_tools.cost_model import CostModel
+def make_policy(opts, target, draft):
+    """The policy `opts.budget` names: a fixed budget, or "auto"; with no draft, plain decoding.
 
-        return CostModel(max_depth=opts.max_depth)
-    return FixedBudget(opts.budget, opts.max_depth)
+    Auto decodes plainly from the first step where no tree can pay, which it would otherwise
+    learn only from a first tree (the draft reads the prompt and searches four deep): the draft
+    is the target's own int8 / int4 copy (offload.self_draft: the target's pass, over its weights
+    dequantized) and the target's weights stay put, so d draft passes cost about d target
+    passes, for at most d + 1 tokens. Beside a streamed target that copy pays."""
+    if draft is None:
+        return FixedBudget(0, 0)
+    if opts.budget != "auto":
+        return FixedBudget(opts.budget, opts.max_depth)
+    if getattr(draft, "quantized", None) and not streams(target):
+        why = f"its draft, the target's own {draft.quantized} copy, costs what the target does"
+        return FixedBudget(0, 0, why=f"auto decoded plainly: {why} (no tree can pay)")
+    from specexec_tools.cost_model import CostModel
+
+    return CostModel(max_depth=opts.max_depth)
+
+
+def streams(model):
+    """Whether a pass moves the model's weights: an offloaded model streaming layers (offload.py),
+    or a Hugging Face model that accelerate's device_map spreads to disk, or to host memory
+    beside a GPU."""
+    if hasattr(model, "streams"):
+        return model.streams
+    places = {str(place) for place in getattr(model, "hf_device_map", {}).values()}
+    return "disk" in places or ("cpu" in places and len(places) > 1)
 
 
 def decode_loop(run, seq, policy, eos, on_tokens):
@@ -593,7 +615,7 @@ def generate(target, draft, input_ids, *, eos_token_id=None, on_tokens=None, opt
     opts = as_options(opts, options, on_tokens)
     seq, limit, eos = preflight(target, draft, input_ids, eos_token_id)
     run = Run(target, draft, opts, limit)
-    return decode_loop(run, seq, make_policy(opts), eos, on_tokens)
+    return decode_loop(run, seq, make_policy(opts, target, draft), eos, on_tokens)
 
 
 # ---- the plain baseline ----
@@ -625,7 +647,7 @@ class Chat:
 
     def __init__(self, target, draft, opts=None, **options):
         self.target, self.draft, self.opts = target, draft, as_options(opts, options, None)
-        self.policy = make_policy(self.opts) if draft is not None else FixedBudget(0, 0)
+        self.policy = make_policy(self.opts, target, draft)
         self.seq = []  # the tokens the caches were last left holding, but the last
         self.caches = None  # (target's, draft's); made by the first turn's Run
 
@@ -734,6 +756,7 @@ class Stats:
                 plain = count(len(self.budgets) - len(trees), "step")
                 line += f"; plain decoding (no tree) in {plain}"
             line += f"; {self.draft_passes / self.steps:.1f} draft passes per target pass"
+        line += f"; {self.policy.why}" if getattr(self.policy, "why", "") else ""
         line += f"; threads {self.threads}" if self.threads else ""
         line += f"; seed {self.seed}" if self.seed is not None else ""
         return line + (

@@ -1166,6 +1166,23 @@ def test_specexec_with_a_self_draft_is_exact(float64_target, kind, sampled):
             assert stats.tokens_per_step > 1  # the copy agrees with the target: trees are kept
 
 
+def test_auto_decodes_plainly_beside_a_copy_of_a_target_held_whole(float64_target):
+    """The target's own copy beside the target in memory: no tree can pay, and auto runs none
+    from the first step (the summary says why); beside the same target streamed, it runs trees."""
+    folder, target = float64_target
+    options = dict(max_new_tokens=12, eos_token_id=[])
+    expected, _ = specexec.autoregressive(target, [5, 6, 7], **options)
+    with offload.self_draft(folder, "int8", device="cpu") as draft:
+        tokens, stats = specexec.generate(target, draft, [5, 6, 7], **options)
+        assert tokens == expected
+        assert stats.budgets == [(0, 0)] * 12 and stats.draft_passes == 0
+        assert "auto decoded plainly: its draft, the target's own int8 copy" in stats.summary()
+        with offload.from_pretrained(folder, device="cpu") as streamed:
+            assert streamed.streams and not draft.streams
+            tokens, stats = specexec.generate(streamed, draft, [5, 6, 7], **options)
+        assert tokens == expected and stats.budgets[0][0] > 0 and stats.tokens_per_step > 1
+
+
 # ---- on a GPU: runs only where CUDA is available (not yet run: written on a CPU machine) ----
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

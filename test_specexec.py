@@ -378,6 +378,23 @@ def test_keep_path_keeps_the_prefix_and_the_path_in_order(parents, n_prefix, dat
         assert torch.equal(layer.keys, keys) and torch.equal(layer.values, values)
 
 
+@pytest.mark.parametrize(
+    "places, moved",
+    [
+        (None, False),  # a model in memory: no device map
+        ({"": "cpu"}, False),
+        ({"": 0}, False),
+        ({"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": "cpu"}, True),
+        ({"model.layers.0": "cpu", "model.layers.1": "disk"}, True),
+    ],
+)
+def test_streams_reads_accelerates_device_map(places, moved):
+    """A Hugging Face model streams where accelerate put layers on disk, or in host memory
+    beside a GPU (auto's rule for a copy of the target hangs on it)."""
+    model = types.SimpleNamespace(**({} if places is None else {"hf_device_map": places}))
+    assert specexec.streams(model) == moved
+
+
 def test_auto_budget_sampling_with_a_seed_equals_the_target_alone():
     target, draft = tiny_model("qwen2", 0, init=0.3), tiny_model("qwen2", 1, init=0.3)
     options = dict(temperature=0.8, top_p=0.9, max_new_tokens=40, eos_token_id=[])
