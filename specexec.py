@@ -552,15 +552,17 @@ def make_policy(opts, target, draft):
 
     Auto decodes plainly from the first step where no tree can pay, which it would otherwise
     learn only from a first tree (the draft reads the prompt and searches four deep): the draft
-    is the target's own int8 / int4 copy (offload.self_draft: the target's pass, over its weights
-    dequantized) and the target's weights stay put, so d draft passes cost about d target
-    passes, for at most d + 1 tokens. Beside a streamed target that copy pays."""
+    is an int8 / int4 model at least the target's size, such as the target's own copy
+    (offload.self_draft: its pass is the target's, over the weights dequantized), and the
+    target's weights stay put, so d draft passes cost about d target passes, for at most d + 1
+    tokens. Beside a streamed target that copy pays."""
     if draft is None:
         return FixedBudget(0, 0)
     if opts.budget != "auto":
         return FixedBudget(opts.budget, opts.max_depth)
-    if getattr(draft, "quantized", None) and not streams(target):
-        why = f"its draft, the target's own {draft.quantized} copy, costs what the target does"
+    quantized = getattr(draft, "quantized", None)
+    if quantized and weights(draft) >= weights(target) and not streams(target):
+        why = f"its {quantized} draft is the target's size and costs what the target does"
         return FixedBudget(0, 0, why=f"auto decoded plainly: {why} (no tree can pay)")
     from specexec_tools.cost_model import CostModel
 
@@ -803,13 +805,18 @@ def timer(device):
 def draft_threads(run):
     """The draft's CPU threads: as given; by default one for a small draft, whose pass is a few
     small matmuls that more threads only slow down on a busy CPU (docs/results.md), and torch's
-    setting (0) for a big one (a real model's layers, the target's own int4 copy). Its size from
-    its config: an offloaded self-draft holds its layers outside `parameters()`."""
+    setting (0) for a big one (a real model's layers, the target's own int4 copy)."""
     if run.opts.draft_threads is not None:
         return run.opts.draft_threads
-    c = run.draft.config
-    size = 12 * c.hidden_size**2 * c.num_hidden_layers + c.vocab_size * c.hidden_size
-    return 1 if size < 50e6 else 0
+    return 1 if weights(run.draft) < 50e6 else 0
+
+
+def weights(model):
+    """About how many weights a pass of the model reads, from its config (attention and MLP of
+    a dense decoder, the embeddings): an offloaded model holds its layers outside
+    `parameters()`."""
+    c = model.config
+    return 12 * c.hidden_size**2 * c.num_hidden_layers + c.vocab_size * c.hidden_size
 
 
 @contextmanager

@@ -1166,17 +1166,25 @@ def test_specexec_with_a_self_draft_is_exact(float64_target, kind, sampled):
             assert stats.tokens_per_step > 1  # the copy agrees with the target: trees are kept
 
 
-def test_auto_decodes_plainly_beside_a_copy_of_a_target_held_whole(float64_target):
+def test_auto_decodes_plainly_beside_a_copy_of_a_target_held_whole(float64_target, tmp_path):
     """The target's own copy beside the target in memory: no tree can pay, and auto runs none
-    from the first step (the summary says why); beside the same target streamed, it runs trees."""
+    from the first step (the summary says why); beside the same target streamed, it runs trees,
+    and so it does with a smaller int8 draft beside the target in memory."""
     folder, target = float64_target
+    config = quant_config("llama")
+    config.num_hidden_layers = 1
+    save_model(tmp_path / "small", config, dtype=torch.float64)
+    small = offload.from_pretrained(tmp_path / "small", quantize="int8", device_memory=math.inf)
+    with small:
+        _, stats = specexec.generate(target, small, [5, 6, 7], max_new_tokens=4, eos_token_id=[])
+    assert stats.budgets[0][0] > 0
     options = dict(max_new_tokens=12, eos_token_id=[])
     expected, _ = specexec.autoregressive(target, [5, 6, 7], **options)
     with offload.self_draft(folder, "int8", device="cpu") as draft:
         tokens, stats = specexec.generate(target, draft, [5, 6, 7], **options)
         assert tokens == expected
         assert stats.budgets == [(0, 0)] * 12 and stats.draft_passes == 0
-        assert "auto decoded plainly: its draft, the target's own int8 copy" in stats.summary()
+        assert "auto decoded plainly: its int8 draft is the target's size" in stats.summary()
         with offload.from_pretrained(folder, device="cpu") as streamed:
             assert streamed.streams and not draft.streams
             tokens, stats = specexec.generate(streamed, draft, [5, 6, 7], **options)

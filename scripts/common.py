@@ -133,12 +133,12 @@ class Row:
 
 
 def measure_interleaved(methods, prompt_ids, meters, progress):
-    """Each (row, decode) on every prompt, prompt by prompt: a busy moment of the machine, or
-    the drift of a shared disk, hits every row alike. decode(i, ids) -> (new tokens, Stats or
-    None); meters: the target's, then the drafts'. Says how far it got on stderr."""
+    """Each (row, decode) on every prompt, prompt by prompt, each one row further on: a busy
+    moment, a shared disk's drift, running first or last hit every row alike. decode(i, ids) ->
+    (new tokens, Stats or None); meters: the target's, then the drafts'; progress on stderr."""
     for i, ids in enumerate(prompt_ids):
-        started = time.perf_counter()
-        for row, decode in methods:
+        started, turn = time.perf_counter(), i % len(methods)
+        for row, decode in methods[turn:] + methods[:turn]:
             before = [(m.passes, m.seconds) for m in meters]
             start = time.perf_counter()
             tokens, stats = decode(i, ids)
