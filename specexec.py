@@ -579,6 +579,14 @@ def streams(model):
     return "disk" in places or ("cpu" in places and len(places) > 1)
 
 
+def weights(model):
+    """About how many weights a pass of the model reads, from its config (attention and MLP of
+    a dense decoder, the embeddings): an offloaded model holds its layers outside
+    `parameters()`."""
+    c = model.config
+    return 12 * c.hidden_size**2 * c.num_hidden_layers + c.vocab_size * c.hidden_size
+
+
 def decode_loop(run, seq, policy, eos, on_tokens):
     """The loop shared by SpecExec and the baseline: ask the policy for a budget, step, tell it
     what the step did, until max_new_tokens, the context or an EOS."""
@@ -809,14 +817,6 @@ def draft_threads(run):
     if run.opts.draft_threads is not None:
         return run.opts.draft_threads
     return 1 if weights(run.draft) < 50e6 else 0
-
-
-def weights(model):
-    """About how many weights a pass of the model reads, from its config (attention and MLP of
-    a dense decoder, the embeddings): an offloaded model holds its layers outside
-    `parameters()`."""
-    c = model.config
-    return 12 * c.hidden_size**2 * c.num_hidden_layers + c.vocab_size * c.hidden_size
 
 
 @contextmanager
