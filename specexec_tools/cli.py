@@ -84,8 +84,8 @@ def parse_args(argv=None):
     add = parser.add_argument_group("model and prompt").add_argument
     add("--target", metavar="PATH_OR_ID", help="hub id or folder (default: models/target)")
     add("--draft", metavar="PATH_OR_ID", help="hub id or folder (default: models/draft); or "
-        "int8 / int4: the target's own quantized copy, every layer on the device (it holds the "
-        "dequantized weights too, so it saves no memory)")
+        "int8 / int4: the target's own copy, dequantized and whole on the device (no memory "
+        "saved); it pays beside an --offload target (in memory, budget auto decodes plainly)")
     add("--prompt", help="prompt text (default: a held-out prompt of the pair)")
     add("--prompt-index", type=int, default=16, metavar="N", help="which of models/prompts.json")
     add("--chat-template", choices=("auto", "on", "off"), default="auto",
