@@ -1191,7 +1191,7 @@ def test_auto_decodes_plainly_beside_a_copy_of_a_target_held_whole(float64_targe
         assert tokens == expected and stats.budgets[0][0] > 0 and stats.tokens_per_step > 1
 
 
-# ---- on a GPU: runs only where CUDA is available (not yet run: written on a CPU machine) ----
+# ---- on a GPU: runs only where CUDA is available (docs/results.md: where they ran) ----
 
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -1215,6 +1215,20 @@ def test_cuda_logits_match_resident_model(tmp_path, dtype, mode, buffers):
             with torch.no_grad():
                 theirs = oracle(ids, **{CACHE: caches[1]}).logits
             torch.testing.assert_close(ours, theirs)  # the dtype's own tolerances
+
+
+@cuda_only
+def test_cuda_passes_leave_cudnn_attention_out(tmp_path):
+    """A pass on a GPU runs without cuDNN's attention (a graph planned per new shape: 60 ms a
+    float16 draft pass on an H100), and gives the setting back as it found it."""
+    save_model(tmp_path, tiny_config("llama", layers=2), dtype=torch.float16)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float16).cuda().eval()
+    seen, before = [], torch.backends.cuda.cudnn_sdp_enabled()
+    model.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
+    with torch.no_grad():
+        cache = DynamicCache(config=model.config)
+        specexec.tree_forward(model, cache, [1, 2, 3], specexec.chain(3))
+    assert seen == [False] and torch.backends.cuda.cudnn_sdp_enabled() == before
 
 
 @cuda_only

@@ -49,8 +49,7 @@ class BenchConfig:
 def rows_at(cfg, setting, target, hf_target, drafts, prompt_ids, eos, sampled):
     """Every method at one setting: plain decoding first, then the peers and SpecExec."""
     ours = dict(max_new_tokens=cfg.tokens, eos_token_id=eos, draft_threads=cfg.draft_threads)
-    if sampled:
-        ours |= dict(temperature=cfg.temperature, top_p=cfg.top_p)
+    ours |= dict(temperature=cfg.temperature, top_p=cfg.top_p) if sampled else {}
 
     def plain(i, ids):
         options = {k: v for k, v in ours.items() if k != "draft_threads"}
@@ -128,14 +127,11 @@ def main(argv=None):
             args = target, hf_target, drafts, prompt_ids, eos, sampled
             rows += rows_at(cfg, setting, *args)
     common.print_table(rows)
-    title = (
-        f"SpecExec against plain decoding and its peers: the default pair ({where}),\n"
-        f"{len(prompt_ids)} prompts x {cfg.tokens} tokens; lines: the rows without a budget"
-    )
+    title = f"SpecExec against plain decoding and its peers: the default pair ({where}),\n"
+    title += f"{len(prompt_ids)} prompts x {cfg.tokens} tokens; lines: the rows without a budget"
     common.plot_budgets(rows, cfg.plot, title, values=("tokens_per_pass", "rate"))
-    for name, draft in drafts.items():
-        if name != "distilled":
-            draft.close()
+    for draft in list(drafts.values())[1:]:  # the target's int8/int4 copies
+        draft.close()
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ class BenchConfig:
     intermediate: int = option(5632, "MLP size")
     vocab: int = option(32000, "vocabulary size")
     buffers: int = option(2, "device buffers in the ring")
-    quantize: str = option("int8,int4", "cpu: quantized rows beside each float one; '': none")
+    quantize: str = option("int8,int4", "quantized rows beside each float one; '': none")
     threads: int = option(max(1, (os.cpu_count() or 2) - 1), "cpu: all cores but the reader's")
     ram_limit_gb: float = option(2.0, "cpu: the ssd process's RLIMIT_DATA, below the model")
     folder: str = option("", "keep the random checkpoint here; empty: a temp folder")
@@ -133,10 +133,8 @@ def one_pass(model, n_tokens: int, device: str = "cpu") -> float:
 
 def proc_status(key: str) -> int:
     """A memory figure of this process from /proc/self/status, in bytes (Linux)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
+    lines = Path("/proc/self/status").read_text().splitlines()
+    return int(next(line for line in lines if line.startswith(key + ":")).split()[1]) * 1024
 
 
 def report(opts: BenchConfig, tokens: list[int], runs: dict) -> str:
@@ -217,7 +215,7 @@ def quality(target: str, windows: int, seq_len: int = 512, batch: int = 8) -> st
     return "\n".join(lines)
 
 
-# ---- cuda: CUDA-event timers and the device timeline (written without a GPU; not yet run) ----
+# ---- cuda: CUDA-event timers and the device timeline ----
 
 
 def bench_cuda(folder: Path, tokens: list[int], opts: BenchConfig, dtype: torch.dtype) -> str:
@@ -225,7 +223,10 @@ def bench_cuda(folder: Path, tokens: list[int], opts: BenchConfig, dtype: torch.
     lines = [
         f"machine: {machine()}; random Llama, {opts.layers} layers, {dtype}, {opts.buffers} slots",
         "busy = copy engine busy / pass; gap = idle time between copies (mean, max); overlap = "
-        "copy time beside a kernel / copy time; raw = pinned copies (ram), cold reads (ssd) alone",
+        "copy time beside a kernel / copy time; raw = pinned copies (ram), cold reads (ssd) alone;"
+        " compute = the in-memory float model's pass; pinned = host memory pinned, GB",
+        "| tier | tokens | pass ms | compute ms | busy | gap ms, mean | gap ms, max | overlap "
+        "| GB/s | raw GB/s | / raw | pinned |\n|---|" + "---:|" * 11,
     ]
     resident = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).cuda().eval()
     for n in tokens:  # each shape once untimed: kernel choice and lazy loading stay out
@@ -233,23 +234,24 @@ def bench_cuda(folder: Path, tokens: list[int], opts: BenchConfig, dtype: torch.
     compute = {n: cuda_seconds(partial(one_pass, resident, n, "cuda")) for n in tokens}
     del resident
     torch.cuda.empty_cache()
-    header = "| tier | tokens | pass ms | compute ms | busy | gap ms, mean | gap ms, max | overlap "
-    header += "| GB/s | raw GB/s | / raw |\n|---|" + "---:|" * 10
-    for tier in ("ram", "ssd"):
-        options = dict(mode=tier, device="cuda", dtype=dtype, buffers=opts.buffers)
+    for tier in sorted(tiers(opts)[:-1], key=lambda tier: tier[:3] != "ram"):  # ram first
+        mode, _, kind = tier.partition(" ")
+        options = dict(mode=mode, device="cuda", dtype=dtype, buffers=opts.buffers)
+        options |= dict(quantize=kind or None, offload_dir=folder / "offload")
         with offload.from_pretrained(folder, **options) as model:
-            lines += ["", f"{tier}: pinned host memory {model.pinned_bytes / 1e9:.3f} GB", header]
+            read_from = model.converted_folder or folder  # ssd int8/int4: a converted copy
             for n in tokens:
                 one_pass(model, n, "cuda")  # this shape's kernels chosen and loaded, untimed
-                raw = raw_gb_per_s(model, folder, tier)  # measured beside each pass
-                if tier == "ssd":
+                raw = raw_gb_per_s(model, read_from, mode)  # measured beside each pass
+                if mode == "ssd":
                     model.ring.drain()
-                    evict_page_cache(folder)
+                    evict_page_cache(read_from)
                 seconds = cuda_seconds(partial(one_pass, model, n, "cuda"))
                 gb_per_s = model.stats.bytes_moved / seconds / 1e9
                 t = copy_timeline(partial(one_pass, model, n, "cuda"))
                 cells = [seconds * 1e3, compute[n] * 1e3, t["busy"], t["gap_mean_ms"]]
                 cells += [t["gap_max_ms"], t["overlap"], gb_per_s, raw, gb_per_s / raw]
+                cells.append(model.pinned_bytes / 1e9)
                 lines.append(f"| {tier} | {n} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
     return "\n".join(lines)
 
@@ -270,9 +272,11 @@ def raw_gb_per_s(model, folder: Path, tier: str) -> float:
     ring = model.ring
     ring.drain()
     if tier == "ram":
-        host, slot = ring.storage.buffers[0], ring.slots[0]  # registered arena -> device
-        copies = [partial(slot[: host.numel()].copy_, host, non_blocking=True)] * 10
-        seconds = cuda_seconds(lambda: [copy() for copy in copies])
+        storage = getattr(ring.storage, "storage", ring.storage)  # int8/int4: the bytes moved
+        host, slot = storage.buffers[0], ring.slots[0]  # registered arena -> device
+        seconds = cuda_seconds(
+            lambda: [slot[: host.numel()].copy_(host, non_blocking=True) for _ in range(10)]
+        )
         return 10 * host.numel() / seconds / 1e9
     seconds, nbytes = read_alone(model, evict=folder)  # cold reads as the tier issues them
     return nbytes / seconds / 1e9
