@@ -561,7 +561,7 @@ def make_policy(opts, target, draft):
     """The policy `opts.budget` names: a fixed budget, or "auto"; with no draft, plain decoding.
 
     Auto decodes plainly from the first step where no tree can pay, which it would otherwise
-    learn only from a first tree (the draft reads the prompt and searches four deep): the draft
+    learn only from a first tree (the draft reads the prompt, then searches): the draft
     is an int8 / int4 model at least the target's size, such as the target's own copy
     (offload.self_draft: its pass is the target's, over the weights dequantized), and the
     target's weights stay put, so d draft passes cost about d target passes, for at most d + 1
@@ -576,7 +576,11 @@ def make_policy(opts, target, draft):
         return FixedBudget(0, 0, why=f"auto decoded plainly: {why} (no tree can pay)")
     from specexec_tools.cost_model import CostModel
 
-    return CostModel(max_depth=opts.max_depth)
+    # The first tree, chosen before anything is measured: where the target streams its weights,
+    # as big as a pass carries for about the cost of one token's; where they stay put, a small
+    # one, since there a tree's pass costs compute, and the draft must read the prompt too
+    first = dict(budget=32, first_depth=4) if streams(target) else dict(budget=8, first_depth=2)
+    return CostModel(max_depth=opts.max_depth, **first)
 
 
 def streams(model):

@@ -395,6 +395,21 @@ def test_streams_reads_accelerates_device_map(places, moved):
     assert specexec.streams(model) == moved
 
 
+@pytest.mark.parametrize("streamed, first", [(True, (32, 4)), (False, (8, 2))])
+def test_auto_starts_with_a_big_tree_only_where_the_target_streams(streamed, first):
+    """Auto's first tree, chosen before anything is measured: as big as a streamed pass carries
+    (its weights' transfer costs what one token's pass does); a small one where the weights stay
+    put and a tree's pass costs compute. A run's first step is that tree."""
+    target, draft = types.SimpleNamespace(streams=streamed), types.SimpleNamespace()
+    policy = specexec.make_policy(specexec.Options(max_depth=16), target, draft)
+    assert isinstance(policy, CostModel) and policy.choose() == first
+    if not streamed:  # a model in memory: the tests' tiny pair, through generate
+        target, draft = tiny_model("llama", 0), tiny_model("llama", 1)
+        with torch.no_grad():
+            _, stats = specexec.generate(target, draft, [5, 6], max_new_tokens=4, budget="auto")
+        assert stats.budgets[0] == first
+
+
 def test_auto_budget_sampling_with_a_seed_equals_the_target_alone():
     target, draft = tiny_model("qwen2", 0, init=0.3), tiny_model("qwen2", 1, init=0.3)
     options = dict(temperature=0.8, top_p=0.9, max_new_tokens=40, eos_token_id=[])
@@ -582,7 +597,7 @@ def observe(cost, choice, n_fed, draft_s, target_s, passes, tree, path, bonus=99
 
 def test_cost_model_learns_from_what_the_target_followed():
     cost = CostModel(max_depth=16)
-    assert cost.choose() == (cost.budget, cost.FIRST_DEPTH)  # nothing measured: the first step'
+    assert cost.choose() == (cost.budget, cost.first_depth)  # nothing measured: the first step'
     # A chain of 4 whose every edge has draft log-probability -1 (bin 4, in quarter nats). The
     # target walks to nodes 1 and 2, then picks the bonus: at the root, 1 and 2 it saw one child
     # each and picked two of them; node 3's child was never reached, so it says nothing.
@@ -711,9 +726,9 @@ def test_cost_model_drops_a_draft_whose_trees_give_one_token_and_loses_little(
     loses 5% at most, or, on runs too short for that, about what the first tree cost."""
     cost = CostModel(max_depth=16)
     choices, speed = simulate(cost, n_tokens, 0, draft_s, pass_s)
-    assert choices[:3] == [(32, cost.FIRST_DEPTH), (0, 0), (0, 0)]
+    assert choices[:3] == [(32, cost.first_depth), (0, 0), (0, 0)]
     assert sum(budget > 0 for budget, _ in choices) <= 1 + len(choices) / 4  # looks: rare
-    first_tree = (cost.FIRST_DEPTH + 10) * draft_s + pass_s(132) - pass_s(100)
+    first_tree = (cost.first_depth + 10) * draft_s + pass_s(132) - pass_s(100)
     plain_s = pass_s(100) + (n_tokens - 1) * pass_s(1)
     assert speed >= min(0.95, 1 - 1.5 * first_tree / plain_s)
 

@@ -78,7 +78,8 @@ class CostModel:
     """
 
     max_depth: int
-    budget: int = 32  # the first step's (at FIRST_DEPTH), before anything is measured
+    budget: int = 32  # the first step's, before anything is measured (specexec.make_policy's)
+    first_depth: int = 4  # the first tree's: few passes of a draft not yet timed; deeper as it pays
     depth: int | None = None
     target_s: dict = field(default_factory=dict)  # tokens fed -> seconds of a target pass
     draft_s: float | None = None  # seconds of one draft pass (the first tree's: the prompt too)
@@ -104,7 +105,6 @@ class CostModel:
     BUDGETS = tuple(2**k for k in range(11))  # 1 .. 1024: the tree sizes auto considers
     DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
     GROWTH, LOOK_EVERY, DEEPEN_EVERY, PRIOR = 4, 20, 4, 4
-    FIRST_DEPTH = 4  # the first tree's: few passes of a draft not yet timed; deeper as it pays
     PRIOR_TOKENS = 2  # rate_scale starts at 1 as if two tokens had come as promised
     STREAMED = 100  # draft passes a target pass outlasts when the target streams its weights
 
@@ -271,7 +271,7 @@ class CostModel:
     def decide(self, left):
         """The (budget, depth) with the most tokens/s, a look at the draft, or a deeper search."""
         if not self.gains or self.draft_s is None:  # nothing measured yet
-            return self.budget, min(self.FIRST_DEPTH, self.max_depth)
+            return self.budget, min(self.first_depth, self.max_depth)
         if len(self.target_s) == 1 and self.STREAMED * self.draft_s > self.t_target(0):
             return 0, 0  # a second size: one token's pass, as plain decoding would run it
         rates = self.rates()
