@@ -395,8 +395,8 @@ def tree_forward(model, cache, tokens, parents, keep=0):
     for kind, window in attention_windows(model).items():
         masks[kind], positions = tree_mask(parents, n_prefix, window=window, **rows)
     input_ids = torch.tensor([tokens], dtype=torch.long, device=model.device)  # (1, n)
-    cuda = model.device.type == "cuda"
-    with sdpa_kernel(ATTENTION_KERNELS) if cuda else nullcontext():  # (32 us: CUDA's alone)
+    on_gpu = model.device.type == "cuda"  # (entering sdpa_kernel costs 32 us: a GPU's alone)
+    with sdpa_kernel(ATTENTION_KERNELS) if on_gpu else nullcontext():
         out = model(
             input_ids=input_ids,
             attention_mask=masks.get(None, masks),  # one for all layers, or a dict by layer type

@@ -1226,8 +1226,7 @@ def test_cuda_passes_leave_cudnn_attention_out(tmp_path):
     seen, before = [], torch.backends.cuda.cudnn_sdp_enabled()
     model.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
     with torch.no_grad():
-        cache = DynamicCache(config=model.config)
-        specexec.tree_forward(model, cache, [1, 2, 3], specexec.chain(3))
+        specexec.tree_forward(model, DynamicCache(), [1, 2, 3], specexec.chain(3))
     assert seen == [False] and torch.backends.cuda.cudnn_sdp_enabled() == before
 
 
