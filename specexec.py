@@ -570,8 +570,8 @@ def make_policy(opts, target, draft):
         return FixedBudget(0, 0)
     if opts.budget != "auto":
         return FixedBudget(opts.budget, opts.max_depth)
-    quantized = getattr(draft, "quantized", None)
-    if quantized and weights(draft) >= weights(target) and not streams(target):
+    quantized, streamed = getattr(draft, "quantized", None), streams(target)
+    if quantized and weights(draft) >= weights(target) and not streamed:
         why = f"its {quantized} draft is the target's size and costs what the target does"
         return FixedBudget(0, 0, why=f"auto decoded plainly: {why} (no tree can pay)")
     from specexec_tools.cost_model import CostModel
@@ -579,7 +579,7 @@ def make_policy(opts, target, draft):
     # The first tree, chosen before anything is measured: where the target streams its weights,
     # as big as a pass carries for about the cost of one token's; where they stay put, a small
     # one, since there a tree's pass costs compute, and the draft must read the prompt too
-    first = dict(budget=32, first_depth=4) if streams(target) else dict(budget=8, first_depth=2)
+    first = dict(budget=32, first_depth=4) if streamed else dict(budget=8, first_depth=2)
     return CostModel(max_depth=opts.max_depth, **first)
 
 
