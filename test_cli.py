@@ -23,8 +23,8 @@ import torch
 
 import specexec
 from conftest import CONFIGS, random_model, save_model, tiny_config, tiny_model
-from specexec_tools import cli, models
-from specexec_tools.checkpoint import OffloadError
+from specexec_app import chat, cli
+from specexec_tools import OffloadError, models
 
 HERE = Path(__file__).resolve().parent
 PAIR = HERE / "models"
@@ -132,7 +132,7 @@ def test_help_lists_every_generation_option_with_its_default(capsys):
         )
         assert entry.startswith(f"{flag} {metavar} "), entry
         assert "(default: " in entry, entry
-        if "default" not in f.metadata["help"]:  # else the help says it in words
+        if "default" not in cli.HELP[f.name]:  # else the help says it in words
             assert entry.endswith(f"(default: {f.default})"), entry
     # what --help offers, the parser takes: --draft-threads 0 is torch's own setting
     assert "0: torch's setting" in next(e for e in entries if e.startswith("--draft-threads"))
@@ -254,7 +254,7 @@ MESSAGES = {
     "fewer layers than the checkpoint": "holds 9 weights its config.json has no place for",
     "junk tensor": "holds 1 weights its config.json has no place for (junk)",
     "tied head conflict": "ties lm_head to the embedding (tie_word_embeddings), but the",
-    "no tokenizer files": "cannot load its tokenizer",
+    "no tokenizer files": "no tokenizer in this folder (no tokenizer.json)",
     "broken tokenizer": "cannot load its tokenizer",
     "tokenizer not json": "cannot load its tokenizer",
     "small vocab": "the tokenizer gives ids up to 63, but the model's vocabulary holds 32",
@@ -749,10 +749,10 @@ def test_chat_template_tokens_are_the_rendered_text(chat_pair):
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     expected = tokenizer(text, add_special_tokens=False)["input_ids"]
     for mode in ("auto", "on"):
-        ids = models.tokenize(tokenizer, "def add(a, b):", mode, "chat")
+        ids = chat.tokenize(tokenizer, "def add(a, b):", mode, "chat")
         assert ids == expected and all(isinstance(i, int) for i in ids)
     assert ids[0] == tokenizer.convert_tokens_to_ids("<|user|>") == len(tokenizer) - 2
-    plain = models.tokenize(tokenizer, "def add(a, b):", "off", "chat")
+    plain = chat.tokenize(tokenizer, "def add(a, b):", "off", "chat")
     assert plain == tokenizer("def add(a, b):")["input_ids"]
 
 

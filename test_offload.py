@@ -41,7 +41,8 @@ from conftest import (
     save_model,
     tiny_config,
 )
-from specexec_tools import checkpoint, cli, models, quantize
+from specexec_app import cli
+from specexec_tools import checkpoint, models, quantize
 from specexec_tools.models import CACHE
 
 torch.set_num_threads(1)  # tiny models; leave the other core alone
@@ -1184,7 +1185,7 @@ def test_auto_decodes_plainly_beside_a_copy_of_a_target_held_whole(float64_targe
         tokens, stats = specexec.generate(target, draft, [5, 6, 7], **options)
         assert tokens == expected
         assert stats.budgets == [(0, 0)] * 12 and stats.draft_passes == 0
-        assert "auto decoded plainly: its int8 draft is the target's size" in stats.summary()
+        assert "auto decoded plainly: its int8 draft is the target's size" in cli.summary(stats)
         with offload.from_pretrained(folder, device="cpu") as streamed:
             assert streamed.streams and not draft.streams
             tokens, stats = specexec.generate(streamed, draft, [5, 6, 7], **options)
@@ -1219,15 +1220,15 @@ def test_cuda_logits_match_resident_model(tmp_path, dtype, mode, buffers):
 
 @cuda_only
 def test_cuda_passes_leave_cudnn_attention_out(tmp_path):
-    """A pass on a GPU runs without cuDNN's attention (a graph planned per new shape: 60 ms a
-    float16 draft pass on an H100), and gives the setting back as it found it."""
+    """Every pass of a run on a GPU, draft's and target's, goes without cuDNN's attention (a graph
+    planned per new shape: 60 ms a float16 draft pass on an H100); the run gives the setting back
+    as it found it."""
     save_model(tmp_path, tiny_config("llama", layers=2), dtype=torch.float16)
     model = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float16).cuda().eval()
     seen, before = [], torch.backends.cuda.cudnn_sdp_enabled()
     model.register_forward_pre_hook(lambda *_: seen.append(torch.backends.cuda.cudnn_sdp_enabled()))
-    with torch.no_grad():
-        specexec.tree_forward(model, DynamicCache(), [1, 2, 3], specexec.chain(3))
-    assert seen == [False] and torch.backends.cuda.cudnn_sdp_enabled() == before
+    specexec.generate(model, model, [1, 2, 3], max_new_tokens=2, budget=4, eos_token_id=[])
+    assert seen and not any(seen) and torch.backends.cuda.cudnn_sdp_enabled() == before
 
 
 @cuda_only

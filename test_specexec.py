@@ -21,7 +21,9 @@ from hypothesis import strategies as st
 import specexec
 from conftest import REAL_SHAPES, ancestors, cut_draft, real_model, tiny_model
 from specexec import SpecExecError
-from specexec_tools import models
+from specexec_app import cli
+from specexec_app.chat import Chat
+from specexec_tools import cost_model, models
 from specexec_tools.cost_model import CostModel, running_mean
 from specexec_tools.models import CACHE, UnsupportedModel
 
@@ -110,8 +112,9 @@ def check_tree_logits(model, prefix, tokens, parents):
 
     cache = DynamicCache()
     with torch.no_grad():
-        specexec.tree_forward(model, cache, prefix, specexec.chain(len(prefix)))
-        tree_logits = specexec.tree_forward(model, cache, tokens, parents)  # (n, vocab)
+        windows = models.attention_windows(model)
+        specexec.tree_forward(model, cache, windows, prefix, specexec.chain(len(prefix)))
+        tree_logits = specexec.tree_forward(model, cache, windows, tokens, parents)  # (n, vocab)
     for i in range(len(parents)):
         path = [tokens[j] for j in reversed(ancestors(parents, i))]
         expected = fresh_logits(model, prefix + path)
@@ -143,9 +146,9 @@ def test_tree_is_best_budget_nodes_closed_under_ancestors(
         branch=branch,
         draft_temperature=draft_temperature,
     )
-    run = specexec.Run(target=None, draft=draft, opts=opts, limit=128)
+    run = specexec.Run(target=draft, draft=draft, opts=opts, limit=128)
     with torch.no_grad():
-        tree = specexec.grow_tree(run, prompt, budget, max_depth)
+        tree = specexec.grow_tree(run, prompt, budget, max_depth, width, branch)
     kept = tree.best()
     dropped = set(range(1, len(tree.tokens))) - set(kept)
     assert len(kept) <= budget
@@ -171,9 +174,9 @@ def test_tree_grows_best_first_until_budget_is_settled():
     """With room to spare, the search stops early once no candidate can enter the tree."""
     draft = tiny_model("llama", 0, init=0.3)
     opts = specexec.Options(budget=4, max_depth=50, width=4, branch=4)
-    run = specexec.Run(target=None, draft=draft, opts=opts, limit=128)
+    run = specexec.Run(target=draft, draft=draft, opts=opts, limit=128)
     with torch.no_grad():
-        tree = specexec.grow_tree(run, [1, 2, 3], opts.budget, opts.max_depth)
+        tree = specexec.grow_tree(run, [1, 2, 3], opts.budget, opts.max_depth, 4, 4)
     assert tree.draft_passes < 50
 
 
@@ -185,8 +188,8 @@ def test_tree_is_the_best_budget_of_the_whole_search_space(budget):
     draft, prompt = tiny_model("llama", 1, init=0.3), [5, 6, 7]
     opts = specexec.Options(budget=budget, max_depth=4, width=budget, branch=3)
     with torch.no_grad():
-        run = specexec.Run(None, draft, opts, limit=128)
-        tree = specexec.grow_tree(run, prompt, budget, opts.max_depth)
+        run = specexec.Run(draft, draft, opts, limit=128)
+        tree = specexec.grow_tree(run, prompt, budget, opts.max_depth, opts.width, opts.branch)
     paths = {}  # token path from the root -> cum_logprob, for every node of the full tree
     frontier = [((), 0.0)]
     for _ in range(opts.max_depth):
@@ -392,7 +395,7 @@ def test_streams_reads_accelerates_device_map(places, moved):
     """A Hugging Face model streams where accelerate put layers on disk, or in host memory
     beside a GPU (auto's rule for a copy of the target hangs on it)."""
     model = types.SimpleNamespace(**({} if places is None else {"hf_device_map": places}))
-    assert specexec.streams(model) == moved
+    assert cost_model.streams(model) == moved
 
 
 @pytest.mark.parametrize("streamed, first", [(True, (32, 4)), (False, (8, 2))])
@@ -401,7 +404,7 @@ def test_auto_starts_with_a_big_tree_only_where_the_target_streams(streamed, fir
     (its weights' transfer costs what one token's pass does); a small one where the weights stay
     put and a tree's pass costs compute. A run's first step is that tree."""
     target, draft = types.SimpleNamespace(streams=streamed), types.SimpleNamespace()
-    policy = specexec.make_policy(specexec.Options(max_depth=16), target, draft)
+    policy = cost_model.make_policy(specexec.Options(max_depth=16), target, draft)
     assert isinstance(policy, CostModel) and policy.choose() == first
     if not streamed:  # a model in memory: the tests' tiny pair, through generate
         target, draft = tiny_model("llama", 0), tiny_model("llama", 1)
@@ -666,7 +669,7 @@ def test_cost_model_holds_tree_steps_against_what_they_were_promised():
     for key in rates.keys() - {(0, 0)}:
         gain, passes = cost.gains[key]
         assert rates[key] == pytest.approx(cost.rate_scale * gain / cost.seconds(key, passes))
-    plain = specexec.Step([7], 0, 0, 1, target_s=1.0, total_s=1.0)
+    plain = specexec.Step([7], 0, 0, 1, None, [], target_s=1.0, total_s=1.0)
     cost.update(plain)
     assert cost.given == pytest.approx(given)  # plain steps promise nothing
 
@@ -701,7 +704,9 @@ def simulate(cost, n_tokens, followed, draft_s, pass_s, prompt=100):
                     tree, path)  # fmt: skip
             tokens, seconds = tokens + len(path) + 1, seconds + drafting + pass_s(fed + budget)
         else:
-            step = specexec.Step([7], 0, 0, fed, target_s=pass_s(fed), total_s=pass_s(fed))
+            step = specexec.Step(
+                [7], 0, 0, fed, None, [], target_s=pass_s(fed), total_s=pass_s(fed)
+            )
             cost.update(step)
             tokens, seconds = tokens + 1, seconds + pass_s(fed)
         fed = 1
@@ -825,7 +830,9 @@ def test_kept_caches_equal_a_fresh_forward(family):
             assert run.draft_cache.get_seq_length() <= len(seq) - 1
         for model, cache in ((target, run.target_cache), (draft, run.draft_cache)):
             trunk = seq[cache.get_seq_length() :]
-            logits = specexec.tree_forward(model, cache, trunk, specexec.chain(len(trunk)))[-1]
+            windows = models.attention_windows(model)
+            logits = specexec.tree_forward(model, cache, windows, trunk, specexec.chain(len(trunk)))
+            logits = logits[-1]
             torch.testing.assert_close(logits, fresh_logits(model, seq), rtol=1e-9, atol=1e-9)
 
 
@@ -927,19 +934,19 @@ def test_summary_says_what_a_step_is_and_counts_in_words():
     as deep as it went, not as deep as it was allowed (a 4-node tree is never 16 deep)."""
     stats = specexec.Stats(steps=1, new_tokens=1, budgets=[(32, 8)], tree_depths=[8])
     stats.time_total, stats.draft_passes = 0.5, 8
-    assert stats.summary().startswith("1 token in 1 target pass (1.00 per pass), 2 tokens/s;")
-    assert stats.summary().endswith(
+    assert cli.summary(stats).startswith("1 token in 1 target pass (1.00 per pass), 2 tokens/s;")
+    assert cli.summary(stats).endswith(
         "; budget 32, trees up to 8 deep; 8.0 draft passes per target pass"
     )
     stats = specexec.Stats(steps=3, new_tokens=5, budgets=[(4, 16), (0, 0), (4, 16)])
     stats.tree_depths, stats.draft_passes, stats.threads = [3, 0, 2], 6, 1
-    assert stats.summary().startswith("5 tokens in 3 target passes (1.67 per pass)")
-    assert stats.summary().endswith(
+    assert cli.summary(stats).startswith("5 tokens in 3 target passes (1.67 per pass)")
+    assert cli.summary(stats).endswith(
         "; budget 4, trees up to 3 deep; plain decoding (no tree) in 1 step; "
         "2.0 draft passes per target pass; threads 1"
     )
     plain = specexec.Stats(steps=2, new_tokens=2, budgets=[(0, 0)] * 2, tree_depths=[0, 0])
-    assert "budget" not in plain.summary() and "plain decoding" not in plain.summary()
+    assert "budget" not in cli.summary(plain) and "plain decoding" not in cli.summary(plain)
 
 
 def test_draft_larger_than_target_or_missing_the_targets_pick_is_a_clear_error():
@@ -1056,7 +1063,7 @@ def test_trained_pair_is_exact_and_speculates():
             expected, _ = specexec.autoregressive(target, ids, max_new_tokens=48)
             tokens, stats = specexec.generate(target, draft, ids, max_new_tokens=48, budget=64)
             assert tokens == expected
-            assert stats.tokens_per_step > 1.5, stats.summary()
+            assert stats.tokens_per_step > 1.5, cli.summary(stats)
 
 
 # ---- the notebook ----
@@ -1208,7 +1215,7 @@ def test_a_window_the_attention_does_not_apply_changes_nothing(window):
 
     target = copy.deepcopy(real_model("llama3.1"))
     target.config.sliding_window = window
-    assert specexec.attention_windows(target) == {None: None}
+    assert models.attention_windows(target) == {None: None}
     seq, prompt = list(range(10, 20)), list(range(10, 20))
     with torch.no_grad():
         while len(seq) < 40:  # past the window, five times over
@@ -1250,7 +1257,7 @@ def test_what_a_tree_pass_cannot_run_is_refused_in_one_line(family, message):
     config = transformers.AutoConfig.for_model(family, **sizes)
     target = types.SimpleNamespace(config=config)  # listened to on the meta device: no weights
     with pytest.raises(UnsupportedModel, match=f"^{family} is not supported: {re.escape(message)}"):
-        specexec.attention_windows(target)
+        models.attention_windows(target)
 
 
 def test_tree_mask_window_blocks_keys_too_far_back():
@@ -1273,7 +1280,7 @@ def test_passes_on_a_gpu_may_use_every_attention_kernel_but_cudnns():
     test_offload runs a pass on CUDA."""
     from torch.nn.attention import SDPBackend
 
-    kernels = set(specexec.ATTENTION_KERNELS)
+    kernels = set(models.ATTENTION_KERNELS)
     assert SDPBackend.CUDNN_ATTENTION not in kernels and SDPBackend.ERROR not in kernels
     assert {SDPBackend.MATH, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION} <= kernels
 
@@ -1340,7 +1347,7 @@ def talk(target, draft, turns, **options):
     """Each turn's answer from one Chat and from a fresh `generate` of the whole conversation
     (the oracle), with the reuse Chat reports and the one the token lists say. A turn is
     (tokens to append, whether to re-render the first token of the conversation)."""
-    chat, conversation, results, before = specexec.Chat(target, draft, **options), [], [], []
+    chat, conversation, results, before = Chat(target, draft, **options), [], [], []
     for user, rerender in turns:
         conversation = conversation + user
         if rerender:  # a template that renders an earlier turn anew
@@ -1388,7 +1395,7 @@ def test_chat_with_an_offloaded_target_equals_fresh_runs(tmp_path, mode):
 
 def test_a_chat_without_a_draft_decodes_plainly_as_autoregressive():
     target = tiny_model("llama", 0, init=0.4)
-    chat, conversation = specexec.Chat(target, None, max_new_tokens=6), [3, 4]
+    chat, conversation = Chat(target, None, max_new_tokens=6), [3, 4]
     for user in ([5], [6, 7]):
         conversation = conversation + user
         answer, stats = chat.generate(conversation, eos_token_id=[])
@@ -1407,7 +1414,5 @@ def test_draft_threads_one_for_a_small_draft_torchs_setting_for_a_big_one():
         config=types.SimpleNamespace(hidden_size=576, num_hidden_layers=30, vocab_size=49152)
     )  # SmolLM2-135M's shape
     for draft, threads in ((small, 1), (big, 0)):
-        run = types.SimpleNamespace(draft=draft, opts=specexec.Options())
-        assert specexec.draft_threads(run) == threads
-        run.opts = specexec.Options(draft_threads=2)
-        assert specexec.draft_threads(run) == 2
+        assert cost_model.draft_threads(specexec.Options(), draft) == threads
+        assert cost_model.draft_threads(specexec.Options(draft_threads=2), draft) == 2

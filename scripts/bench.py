@@ -21,7 +21,7 @@ import torch
 import offload
 import specexec
 from scripts import common
-from specexec import option
+from scripts.common import option
 from specexec_tools import models
 
 

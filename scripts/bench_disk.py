@@ -34,7 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import offload
 import specexec
 from scripts import common
-from specexec import option
+from scripts.common import option
 from specexec_tools import models
 
 

@@ -29,8 +29,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 import offload
 from scripts import train_pair
-from scripts.common import evict_page_cache, machine, read_alone, read_config, write_random_llama
-from specexec import option
+from scripts.common import (
+    evict_page_cache,
+    machine,
+    option,
+    read_alone,
+    read_config,
+    write_random_llama,
+)
 from specexec_tools.models import CACHE
 
 

@@ -38,6 +38,11 @@ def machine():
     )
 
 
+def option(default, help):
+    """A config field and its help text (the script's `--help` shows it)."""
+    return field(default=default, metadata={"help": help})
+
+
 def read_config(config, doc, argv=None):
     """The config the command line asks for: a flag per field of the dataclass `config` (each made
     by option(default, help), as specexec.Options' are), of its type (of `X | None`, X); a bool is

@@ -30,8 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from scripts.common import read_config
-from specexec import option
+from scripts.common import option, read_config
 
 # ---- config ----
 

@@ -1,9 +1,71 @@
-"""What serves specexec.py and offload.py, one module a job:
+"""What specexec.py and offload.py stand on, one module a job (none imports them, nor anything
+of specexec_app/, the floor above):
 
-cli.py          the command line (`python specexec.py`): flags, loading, streaming, summary
-models.py       from a model folder to a checked model: find, open once, preflight, load
-checkpoint.py   a folder's weight files: safetensors headers, .bin shards, the ssd tier's copy
-cost_model.py   budget "auto": the tree size and depth with the most tokens/s
+models.py       from a model folder to a checked model: open once, check the pair and prompt, load
+checkpoint.py   a folder's weight files: safetensors headers, .bin shards, every weight checked,
+                the ssd tier's copy
 quantize.py     int8 / int4 weights for the offloaded target and the self-draft
-plots.py        the notebook's pictures
+cost_model.py   the budget policies: a fixed budget, and budget "auto" (the cost model)
+
+Every refusal is one line naming the input; the command line prints it as `error: ...`, exit 2.
+This file holds the errors and the options' check, and imports neither torch nor transformers:
+the command line checks its flags before torch loads.
 """
+
+import math
+import numbers
+import os
+from dataclasses import fields
+
+
+class SpecExecError(ValueError):
+    """Bad input to a run, reported to the user in one line."""
+
+
+class UnsupportedModel(SpecExecError):
+    """A model whose layers a tree pass cannot run, reported to the user in one line."""
+
+
+class OffloadError(ValueError):
+    """Bad input to the offloader or a bad model folder: one line that says what and where."""
+
+
+def one_line(err: BaseException) -> str:
+    """An exception's message on one line, for an error of ours to quote: all of it (transformers
+    puts the reason on a second line), cut at 300 characters; its type where it has none."""
+    return " ".join(str(err).split())[:300] or type(err).__name__
+
+
+def check_options(opts):
+    """Each of a specexec.Options' values, its type and range, in one line naming it; returns
+    `opts`, each number as Python's own int or float (numpy's and Fraction fail deep in torch)."""
+    for f in fields(opts):
+        value, integer = getattr(opts, f.name), f.type in (int, int | str, int | None)
+        if (f.name == "budget" and value == "auto") or (value is None and f.default is None):
+            continue
+        kind = numbers.Integral if integer else numbers.Real  # a bool is no count
+        if isinstance(value, bool) or not isinstance(value, kind):
+            kind = ("an integer" if integer else "a number") + ' or "auto"' * (f.name == "budget")
+            raise SpecExecError(f"{f.name} must be {kind}, got {value!r}")
+        setattr(opts, f.name, int(value) if integer else float(value))
+    lowest = dict(budget=1, max_depth=1, width=1, branch=1, max_new_tokens=0, top_k=0)
+    for name, least in (lowest | dict(lookup=0, draft_threads=0)).items():
+        if getattr(opts, name) not in ("auto", None) and getattr(opts, name) < least:
+            raise SpecExecError(f"{name} must be at least {least}, got {getattr(opts, name)}")
+    # A floor: logits / temperature stays finite for any float32 logit (3.4e38 / 1e-4 fits
+    # a float64), and below 1e-4 sampling is greedy decoding in all but exact ties anyway.
+    if not (opts.temperature == 0 or 1e-4 <= opts.temperature < math.inf):
+        raise SpecExecError(f"temperature must be 0 or in [1e-4, inf), got {opts.temperature}")
+    if not 0 < opts.top_p <= 1:
+        raise SpecExecError(f"top_p must be in (0, 1], got {opts.top_p}")
+    if opts.seed is not None and not 0 <= opts.seed < 2**64:
+        raise SpecExecError(f"seed must be in [0, 2**64), got {opts.seed}")
+    if opts.draft_temperature is not None and not 1e-2 <= opts.draft_temperature < math.inf:
+        raise SpecExecError(
+            f"draft_temperature must be in [0.01, inf), got {opts.draft_temperature}"
+        )
+    if (opts.draft_threads or 0) > (cores := os.cpu_count() or 1):  # torch would crash
+        raise SpecExecError(
+            f"draft_threads must be at most {cores} (the cores here), got {opts.draft_threads}"
+        )
+    return opts

@@ -29,11 +29,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specexec_tools import quantize
-
-
-class OffloadError(ValueError):
-    """Bad input to the offloader: a one-line message that says what and where."""
+from specexec_tools import OffloadError, one_line, quantize
 
 
 @dataclass(frozen=True)
@@ -70,12 +66,6 @@ def pread_into(fd: int, buffer: torch.Tensor, file_offset: int, path: Path, need
                 f"truncated safetensors shard {path}: ends before {file_offset + done}"
             )
         done += got
-
-
-def one_line(err: BaseException) -> str:
-    """An exception's message on one line, for an error of ours to quote: all of it (transformers
-    puts the reason on a second line), cut at 300 characters; its type where it has none."""
-    return " ".join(str(err).split())[:300] or type(err).__name__
 
 
 def open_direct(path: Path) -> int:
@@ -295,6 +285,51 @@ class Checkpoint:
             stat = shard.stat()
             stamps.append((shard.name, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns))
         return hashlib.sha1(repr((str(self.folder.resolve()), stamps)).encode()).hexdigest()[:12]
+
+
+# ---- every weight the model asks for, and nothing else ----
+
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+
+
+def ties_head(model: torch.nn.Module) -> bool:
+    """Whether the LM head is the embedding (tie_word_embeddings), as the built model has it."""
+    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+def check_weights(ckpt: Checkpoint, model: torch.nn.Module) -> None:
+    """No weight missing, none the model has no place for, none of another shape.
+
+    Hugging Face fills a missing weight with random numbers and runs; we refuse. A tied head
+    needs no lm_head.weight; a stored one is accepted only if it equals the embedding, so that
+    no reader can take the one for the other."""
+    want = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
+    have = {name: ckpt.spec(name)[1] for name in ckpt.names()}
+    if ties_head(model):
+        del want[HEAD]
+        if HEAD in have and not (
+            have[HEAD] == have.get(EMBEDDING)
+            and torch.equal(ckpt.tensor(HEAD, have[HEAD]), ckpt.tensor(EMBEDDING, have[HEAD]))
+        ):
+            raise OffloadError(
+                f"{ckpt.folder}: config.json ties lm_head to the embedding (tie_word_embeddings), "
+                "but the checkpoint holds another lm_head.weight"
+            )
+        have.pop(HEAD, None)
+    common = sorted(want.keys() & have.keys())
+    for names, what in [
+        (want.keys() - have.keys(), "lacks {n} weights its config.json asks for"),
+        (have.keys() - want.keys(), "holds {n} weights its config.json has no place for"),
+        (
+            [f"{name} {have[name]} vs {want[name]}" for name in common if have[name] != want[name]],
+            "has {n} weights of another shape than its config.json gives",
+        ),
+    ]:
+        if names:
+            first = sorted(names)[0] + (", ..." if len(names) > 1 else "")
+            raise OffloadError(
+                f"{ckpt.folder}: the checkpoint {what.format(n=len(names))} ({first})"
+            )
 
 
 # ---- the ssd tier's files: the checkpoint's own, or a converted copy with one file per layer ----

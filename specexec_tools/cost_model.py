@@ -1,4 +1,5 @@
-"""Budget "auto": before each SpecExec step, the tree size and depth with the most tokens/s.
+"""The budget policies: a fixed budget, and budget "auto": before each SpecExec step, the tree
+size and depth with the most tokens/s. `make_policy` gives a run the one its options name.
 
 In the paper's terms a step yields E[tokens](b, d) and costs d draft passes, one target pass
 over the tree and some bookkeeping, so auto takes the budget b and depth d that maximise
@@ -7,8 +8,9 @@ over the tree and some bookkeeping, so auto takes the budget b and depth d that 
 
 Everything on the right is measured as the run goes: the loop (specexec.decode_loop) asks
 `choose` before each step and hands `update` what the step did (a specexec.Step), as it does
-with a fixed budget's policy. This file knows nothing of models: a tree is anything with
-`tokens`, `parents`, `cum_logprob` and `depth` (specexec.DraftTree).
+with a fixed budget's policy. The cost model knows nothing of models: a tree is anything with
+`tokens`, `parents`, `cum_logprob` and `depth` (specexec.DraftTree); only `make_policy` and
+`draft_threads` look at the models' configs.
 """
 
 import math
@@ -16,6 +18,77 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 WEIGHT = 0.3  # of the newest step in a running mean (the older ones fade by 1 - WEIGHT a step)
+
+
+@dataclass
+class FixedBudget:
+    """The policy of a fixed budget: every step the same (budget, max_depth); budget 0 is plain
+    decoding. Budget "auto" is the CostModel below, with the same two methods: `choose` before
+    each step, `update` with what the step did (a specexec.Step)."""
+
+    budget: int
+    max_depth: int
+    why: str = ""  # for the summary: why a run with a draft decodes plainly
+
+    def choose(self, left=None):  # left: tokens still to come (auto's looks heed them)
+        return self.budget, self.max_depth
+
+    def update(self, step):
+        pass
+
+
+def make_policy(opts, target, draft):
+    """The policy `opts.budget` names: a fixed budget, or "auto"; with no draft nor lookup, plain
+    decoding.
+
+    Auto decodes plainly from the first step where no tree can pay, which it would otherwise
+    learn only from a first tree: the draft is an int8 / int4 model at least the target's size
+    (the target's own copy: offload.self_draft) and the target's weights stay put, so d draft
+    passes cost about d target passes, for at most d + 1 tokens. Beside a streamed target that
+    copy pays."""
+    if draft is None and not opts.lookup:
+        return FixedBudget(0, 0)
+    if opts.budget != "auto":
+        return FixedBudget(opts.budget, opts.max_depth)
+    quantized, streamed = getattr(draft, "quantized", None), streams(target)
+    if quantized and weights(draft) >= weights(target) and not streamed:
+        why = f"its {quantized} draft is the target's size and costs what the target does"
+        return FixedBudget(0, 0, why=f"auto decoded plainly: {why} (no tree can pay)")
+    # The first tree, chosen before anything is measured: where the target streams its weights,
+    # as big as a pass carries for about the cost of one token's; where they stay put, a small
+    # one, since there a tree's pass costs compute, and the draft must read the prompt too
+    first = dict(budget=32, first_depth=4) if streamed else dict(budget=8, first_depth=2)
+    return CostModel(max_depth=opts.max_depth, **first)
+
+
+def streams(model):
+    """Whether a pass moves the model's weights: an offloaded model streaming layers (offload.py),
+    or a Hugging Face model that accelerate's device_map spreads to disk, or to host memory
+    beside a GPU."""
+    if hasattr(model, "streams"):
+        return model.streams
+    places = {str(place) for place in getattr(model, "hf_device_map", {}).values()}
+    return "disk" in places or ("cpu" in places and len(places) > 1)
+
+
+def weights(model):
+    """About how many weights a pass of the model reads, from its config (attention and MLP of
+    a dense decoder, the embeddings): an offloaded model holds its layers outside
+    `parameters()`."""
+    c = model.config
+    return 12 * c.hidden_size**2 * c.num_hidden_layers + c.vocab_size * c.hidden_size
+
+
+def draft_threads(opts, draft):
+    """The draft's CPU threads: as given; by default one for a small draft, whose pass is a few
+    small matmuls that more threads only slow down on a busy CPU (docs/results.md), and torch's
+    setting (0) for a big one (a real model's layers, the target's own int4 copy)."""
+    if opts.draft_threads is not None:
+        return opts.draft_threads
+    return 1 if weights(draft) < 50e6 else 0
+
+
+# ---- budget auto ----
 
 
 def running_mean(old, new, weight=WEIGHT):
@@ -186,7 +259,9 @@ class CostModel:
         first; a search for it needs as many draft passes as it is deep. Plain Python: a tree
         is a few hundred nodes, and each torch call costs microseconds (the tests hold this
         against a walk up from every node)."""
-        cum, depth, reach = tree.cum_logprob, tree.depth, self.reach(tree)  # the root first
+        cum, reach = tree.cum_logprob, self.reach(tree)  # the root first
+        looked_up = getattr(tree, "looked_up", ())  # lookup's nodes: no draft pass, any depth
+        depth = [0 if node in looked_up else d for node, d in enumerate(tree.depth)]
         best_first = sorted(range(1, len(cum)), key=cum.__getitem__, reverse=True)  # stable
         gains = {}
         for d in (d for d in self.DEPTHS if d <= max_depth):
@@ -203,7 +278,7 @@ class CostModel:
     def update(self, step):
         """What a step (specexec.Step) of (budget, depth) cost, and what the target picked at
         each node it reached: the path's tokens, then the bonus."""
-        budget, depth, passes = step.budget, step.depth, step.draft_passes
+        budget, depth, passes = step.budget, step.max_depth, step.draft_passes
         choice, other_s = (budget, depth), step.total_s - step.draft_s - step.target_s
         first = not self.steps
         self.target_s[step.n_fed] = running_mean(self.target_s.get(step.n_fed), step.target_s)
@@ -223,7 +298,7 @@ class CostModel:
         # The first tree's draft passes read the prompt too: its draft pass stands only until
         # a second tree's replaces it (as the first step's whole cost does for other_s).
         old_draft_s = self.draft_s if self.tree_steps > 2 else None
-        self.draft_s = running_mean(old_draft_s, step.draft_s / passes)
+        self.draft_s = running_mean(old_draft_s, step.draft_s / max(1, passes))  # lookup: 0
         tree, path = step.tree, step.path
         promise, self.promise = self.promise, None
         if promise is None:  # chosen before its gains were seen (the first): as its draft expected

@@ -13,7 +13,7 @@ load it. The one path of the CLI, `specexec.generate` and `offload.from_pretrain
                              from the same Opened
 
 Every refusal is one line naming the input: `SpecExecError` for what a user asks of a run,
-`checkpoint.OffloadError` for a model folder; the CLI prints either as `error: ...`, exit 2.
+`OffloadError` for a model folder (both in specexec_tools/__init__.py).
 """
 
 import copy
@@ -26,17 +26,10 @@ from importlib.metadata import version
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend
 
-from specexec_tools.checkpoint import Checkpoint, OffloadError, one_line
-
-
-class SpecExecError(ValueError):
-    """Bad input, reported to the user in one line."""
-
-
-class UnsupportedModel(SpecExecError):
-    """A model whose layers a tree pass cannot run, reported to the user in one line."""
-
+from specexec_tools import OffloadError, SpecExecError, UnsupportedModel, one_line
+from specexec_tools.checkpoint import Checkpoint, check_weights, ties_head
 
 # How a model is handed its KV cache: transformers 5.24 renamed the forward's `past_key_values`
 # to `cache` (the old name warns on stderr, and goes in 5.40). Every call passes `**{CACHE: c}`.
@@ -46,42 +39,6 @@ CACHE = (
 
 
 # ---- finding and opening a model folder ----
-
-CLONE = Path(__file__).resolve().parent.parent  # a clone: models/ holds the project's own pair
-
-
-def model_name(name, flag):
-    """--target or --draft: a folder or hub id; None: the project's own (models/target or
-    models/draft); '' is no name, not the default."""
-    if name is None:
-        if not (CLONE / "models" / "target").is_dir():
-            raise SpecExecError(
-                f"the default pair lives in a clone's models/, not beside {CLONE}: pass --target "
-                "and --draft (a hub id or a folder), or install the clone with `pip install -e .`"
-            )
-        return str(CLONE / "models" / flag.removeprefix("--"))
-    if not name.strip():
-        raise SpecExecError(f"{flag} is empty: pass a model folder or a hub id")
-    return name
-
-
-def default_prompt(index):
-    import json
-
-    path = CLONE / "models" / "prompts.json"
-    if not path.is_file():  # installed with `pip install .`: models/ stays in the clone
-        raise SpecExecError(f"no default prompts at {path}: pass --prompt (or run from a clone)")
-    try:
-        prompts = json.loads(path.read_text())
-        count = len(prompts)
-        prompt = prompts[index]["prompt"] if 0 <= index < count else None
-    except (OSError, ValueError, TypeError, KeyError) as error:
-        raise SpecExecError(f"{path} is damaged ({one_line(error)}); pass --prompt") from None
-    if prompt is None:
-        raise SpecExecError(f"--prompt-index {index}: models/prompts.json has 0..{count - 1}")
-    if not isinstance(prompt, str):
-        raise SpecExecError(f"{path} is damaged (prompt {index} is no text); pass --prompt")
-    return prompt
 
 
 def find_folder(name: str) -> Path:
@@ -215,6 +172,13 @@ def skeleton(config, folder: Path, dtype=None) -> torch.nn.Module:
 
 
 # ---- how far back each layer looks: heard from the layers themselves ----
+
+# The attention kernels a pass may use (specexec.decode_loop): all of torch's but cuDNN's, which
+# plans a graph for each new shape of query, keys and mask, and here every pass's shape is new
+# (the tree, the cache's length). On an H100 a float16 draft got it: 60 ms a pass, 3 ms for a
+# shape planned. On a CPU the list changes nothing.
+ATTENTION_KERNELS = [k for name, k in SDPBackend.__members__.items() if "CUDNN" not in name]
+ATTENTION_KERNELS.remove(SDPBackend.ERROR)
 
 _windows = {}  # id(config) -> (a weak reference to the config, attention_windows of it)
 
@@ -365,6 +329,12 @@ def preflight(target, draft, input_ids, eos_token_id=None, tokenizers=None):
     vocabularies; the EOS ids are ids (default: those of the target's generation config and
     the target's tokenizer)."""
     models = dict(model=target) if draft is None else dict(target=target, draft=draft)
+    for role, model in models.items():  # a folder's name, say, is not yet a model
+        if not hasattr(getattr(model, "config", None), "vocab_size"):
+            raise SpecExecError(
+                f"the {role} must be a causal LM (transformers', offload's or models.load's), "
+                f"got {type(model).__name__}"
+            )
     if tokenizers is not None:
         check_same_tokenizer(*tokenizers)
         for model in models.values():
@@ -469,49 +439,7 @@ def token_ids(ids):
     return list(ids) if isinstance(ids, (list, tuple, set, frozenset)) else [ids]
 
 
-def load_tokenizer(folder):
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(folder)
-    except Exception as error:  # a damaged file fails deep in tokenizers, with any exception
-        raise SpecExecError(f"{folder}: cannot load its tokenizer ({one_line(error)})") from None
-
-
-def tokenize(tokenizer, prompt, chat_template, folder):
-    """The ids of a prompt (text) or a conversation (a list of {"role", "content"} messages), in
-    the tokenizer's chat template where it has one (chat_template "auto"), or as it is told
-    ("on", "off"). Without a template a conversation is its texts in a row, each user turn on a
-    new line: a base model continues the text."""
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-    for message in messages:
-        try:  # bytes that are not UTF-8 reach sys.argv as lone surrogates: no tokenizer takes them
-            message["content"].encode()
-        except UnicodeEncodeError as error:
-            byte = ord(message["content"][error.start]) - 0xDC00  # Python's undecodable byte
-            where = "--prompt" if isinstance(prompt, str) else "the turn"
-            raise SpecExecError(
-                f"{where} is not UTF-8 text (byte {byte:#04x} at character {error.start})"
-            ) from None
-    has_template = tokenizer.chat_template is not None
-    if chat_template == "on" and not has_template:
-        raise SpecExecError(f"{folder}: its tokenizer has no chat template")
-    if chat_template == "off" or not has_template:
-        text = "".join(("\n" if m["role"] == "user" and i else "") + m["content"]
-                       for i, m in enumerate(messages))  # fmt: skip
-        return tokenizer(text)["input_ids"]
-    try:  # transformers 5 returns a BatchEncoding, which is no dict: ask for it by name
-        encoded = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=True
-        )
-    except Exception as error:  # a template is a program (Jinja) and can fail in any way
-        raise SpecExecError(f"{folder}: its chat template fails ({one_line(error)})") from None
-    return list(encoded["input_ids"])
-
-
 # ---- loading into memory ----
-
-EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
 def load(opened, device, dtype=None) -> torch.nn.Module:
@@ -523,49 +451,6 @@ def load(opened, device, dtype=None) -> torch.nn.Module:
     model = opened.skeleton(dtype)
     load_weights(opened, model, device, dtype or opened.checkpoint.dtype)
     return model
-
-
-def ties_head(model: torch.nn.Module) -> bool:
-    """Whether the LM head is the embedding (tie_word_embeddings), as the built model has it."""
-    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
-
-
-def check_weights(ckpt: Checkpoint, model: torch.nn.Module) -> None:
-    """No weight missing, none the model has no place for, none of another shape.
-
-    Hugging Face fills a missing weight with random numbers and runs; we refuse. A tied head
-    needs no lm_head.weight; a stored one is accepted only if it equals the embedding, so that
-    no reader can take the one for the other."""
-    want = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
-    have = {name: ckpt.spec(name)[1] for name in ckpt.names()}
-    if ties_head(model):
-        del want[HEAD]
-        if HEAD in have and not (
-            have[HEAD] == have.get(EMBEDDING)
-            and torch.equal(ckpt.tensor(HEAD, have[HEAD]), ckpt.tensor(EMBEDDING, have[HEAD]))
-        ):
-            raise OffloadError(
-                f"{ckpt.folder}: config.json ties lm_head to the embedding (tie_word_embeddings), "
-                "but the checkpoint holds another lm_head.weight"
-            )
-        have.pop(HEAD, None)
-    common = sorted(want.keys() & have.keys())
-    for names, what in [
-        (want.keys() - have.keys(), "lacks {n} weights its config.json asks for"),
-        (have.keys() - want.keys(), "holds {n} weights its config.json has no place for"),
-        (
-            [f"{name} {have[name]} vs {want[name]}" for name in common if have[name] != want[name]],
-            "has {n} weights of another shape than its config.json gives",
-        ),
-    ]:
-        if names:
-            first = sorted(names)[0] + (", ..." if len(names) > 1 else "")
-            raise OffloadError(
-                f"{ckpt.folder}: the checkpoint {what.format(n=len(names))} ({first})"
-            )
-
-
-#####LOADW
 
 
 def load_weights(opened: Opened, model, device, dtype, layers=True) -> None:
@@ -605,23 +490,6 @@ def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return found
 
 
-def pick_device(name):
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as error:
-        raise SpecExecError(f"--device {name}: {one_line(error)}") from None
-    if device.type == "cpu":
-        return device
-    backend = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu
-    if not (hasattr(backend, "is_available") and backend.is_available()):
-        raise SpecExecError(f"--device {name}: no {device.type} device here; use --device cpu")
-    if (device.index or 0) >= backend.device_count():
-        raise SpecExecError(f"--device {name}: only {backend.device_count()} here")
-    return device
-
-
 def as_device(device: torch.device | str | None) -> torch.device:
     """A torch device from itself or its name (None: cuda if available, else cpu), one that
     offload runs on: the cpu or an available cuda device."""
@@ -645,6 +513,3 @@ def check_dtype_runs(device: torch.device, dtype: torch.dtype) -> None:
     except (RuntimeError, NotImplementedError, TypeError) as err:
         reason = one_line(err)
         raise OffloadError(f"{device} cannot run {dtype} ({reason}); pass another dtype") from None
-
-
-#####CHECKW

@@ -1,0 +1,178 @@
+"""A conversation: `specexec.Chat` (the API) and `python specexec.py --chat` (`talk`).
+
+Each user turn joins the conversation, which is rendered whole (`tokenize`: the tokenizer's chat
+template, or the turns in a row where it has none). `Chat` feeds the models only what their
+caches lack and keeps budget auto's cost model from turn to turn; the answer streams. On the
+command line a turn is a line of standard input (on a terminal, typed at the `>` prompt); Ctrl-C
+stops an answer, /new starts the conversation over, EOF or /exit ends it.
+"""
+
+import sys
+
+import specexec
+from specexec_tools import SpecExecError, one_line
+from specexec_tools.cost_model import make_policy
+from specexec_tools.models import preflight
+
+
+class Chat:
+    """`generate` again and again on a growing prompt (a conversation, each turn rendered whole),
+    with both caches and the budget policy (auto's cost model) kept from turn to turn.
+
+    A turn reuses what the caches hold as far as it matches the new prompt token for token (a
+    chat template may render earlier turns anew), drops the rest, and feeds the models only what
+    their caches lack: the answer is exactly `generate`'s on the whole prompt, from empty caches.
+    A turn that fails part-way (an exception, Ctrl-C) leaves the caches empty: the next turn is
+    a fresh run. With draft None it decodes plainly, as `autoregressive` does."""
+
+    def __init__(self, target, draft, opts=None, **options):
+        self.opts = specexec.as_options(opts, options, None)
+        preflight(target, draft, None)  # models, and a pair that can run together
+        self.target, self.draft = target, draft
+        self.policy = make_policy(self.opts, target, draft)
+        self.seq = []  # the tokens the caches were last left holding, but the last
+        self.caches = None  # (target's, draft's); made by the first turn's Run
+
+    def generate(self, input_ids, *, eos_token_id=None, on_tokens=None):
+        """One turn: `input_ids` is the whole conversation so far. Returns (new_tokens, Stats);
+        `stats.reused` counts the prompt tokens the target's cache already held."""
+        opts = specexec.as_options(self.opts, {}, on_tokens)
+        seq, limit, eos = preflight(self.target, self.draft, input_ids, eos_token_id)
+        # Keep the longest prefix of what the caches hold (self.seq but its last token) that the
+        # new prompt shares, leaving the prompt's last token out: the first tree's root.
+        held = self.seq[:-1]
+        shared = next((i for i, (a, b) in enumerate(zip(held, seq)) if a != b), len(held))
+        reused = min(shared, len(seq) - 1) if self.caches else 0
+        run = specexec.Run(self.target, self.draft, opts, limit)  # rng seeded anew: a fresh run
+        if self.caches is not None:
+            run.target_cache, run.draft_cache = self.caches
+            for cache in self.caches:
+                crop(cache, reused)
+        self.seq, self.caches = [], None  # until the turn ends well: what the caches hold is open
+        new_tokens, stats = specexec.decode_loop(run, seq, self.policy, eos, on_tokens)
+        # The caches may hold tokens past a stop (an EOS inside an accepted path): cut them, so
+        # that they hold `seq` but its last token, as after any step.
+        for cache in (run.target_cache, run.draft_cache):
+            crop(cache, len(seq) - 1)
+        self.seq, self.caches, stats.reused = seq, (run.target_cache, run.draft_cache), reused
+        return new_tokens, stats
+
+
+def crop(cache, n):
+    """Keep at most the first n entries of every layer's keys and values (None: no cache)."""
+    if cache is None or cache.get_seq_length() <= n:
+        return
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
+
+
+# ---- the command line's conversation ----
+
+
+def talk(chat, tokenizer, folder, args, eos, stream, dim, summary):
+    """Read turns and answer each (`args`: the CLI's; --prompt is the first turn, `folder` the
+    target's); `stream(tokenizer)` prints one answer as it comes, `dim` dims the figures on a
+    terminal, `summary` words a run. Returns the number of turns answered."""
+    if tokenizer.chat_template is None or args.chat_template == "off":
+        how = "told to use no" if args.chat_template == "off" else "no"
+        print(dim(f"chat: {folder}: {how} chat template; each turn goes on a new line after "
+                  "the text so far"))  # fmt: skip
+    messages, answered = [], 0
+    for turn in turns(args.prompt):
+        if turn == "/new":
+            messages = []
+            print(dim("chat: a new conversation"), flush=True)
+            continue
+        messages.append({"role": "user", "content": turn})
+        try:
+            input_ids = tokenize(tokenizer, messages, args.chat_template, folder)
+            tokens, stats = chat.generate(input_ids, eos_token_id=eos, on_tokens=stream(tokenizer))
+        except SpecExecError as error:  # this turn, refused; the conversation goes on
+            messages.pop()
+            if "the context holds" in str(error):
+                error = f"{error}: send a shorter turn, or /new to start over"
+            print(f"error: {error}", file=sys.stderr, flush=True)
+            continue
+        except KeyboardInterrupt:  # Ctrl-C stops this answer: as if the turn was never sent
+            messages.pop()
+            print("\n" + dim("chat: answer stopped; the turn is dropped"), flush=True)
+            continue
+        answer = tokenizer.decode(tokens, skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": answer})
+        print("\n" + dim(f"specexec: {summary(stats)}"), flush=True)
+        answered += 1
+    return answered
+
+
+def turns(first=None):
+    """The user's turns: `first`, then lines of standard input until EOF, /exit or Ctrl-C at the
+    prompt. On a terminal each is typed at a `>` prompt; from a pipe each is echoed after `>`
+    (a long one cut), so the output reads as the conversation. Windows line ends read as "\\n"."""
+    if first is not None:
+        print(f"> {first}", flush=True)
+        yield first
+    terminal = sys.stdin.isatty()
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8: refused turn by turn
+        sys.stdin.reconfigure(errors="surrogateescape")
+    while True:
+        try:
+            line = input("> ") if terminal else sys.stdin.readline()
+        except (EOFError, KeyboardInterrupt):
+            return
+        if not terminal and not line:  # the pipe's end
+            return
+        line = line.rstrip("\r\n")
+        if line.strip() == "/exit":
+            return
+        if line.strip():
+            if not terminal:
+                print(f"> {line if len(line) <= 200 else line[:200] + '...'}", flush=True)
+            yield line.strip() if line.strip() == "/new" else line
+
+
+def load_tokenizer(folder, chat_template="auto"):
+    """The folder's tokenizer; refused where it has none, or no template that --chat-template on
+    asks for."""
+    from transformers import AutoTokenizer
+
+    files = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
+    if not any((folder / name).is_file() for name in files):
+        raise SpecExecError(f"{folder}: no tokenizer in this folder (no tokenizer.json)")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except Exception as error:  # a damaged file fails deep in tokenizers, with any exception
+        raise SpecExecError(f"{folder}: cannot load its tokenizer ({one_line(error)})") from None
+    if chat_template == "on" and tokenizer.chat_template is None:
+        raise SpecExecError(f"{folder}: its tokenizer has no chat template")
+    return tokenizer
+
+
+def tokenize(tokenizer, prompt, chat_template, folder):
+    """The ids of a prompt (text) or a conversation (a list of {"role", "content"} messages), in
+    the tokenizer's chat template where it has one (chat_template "auto"), or as it is told
+    ("on", "off"). Without a template a conversation is its texts in a row, each user turn on a
+    new line: a base model continues the text."""
+    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    for message in messages:
+        try:  # bytes that are not UTF-8 reach sys.argv as lone surrogates: no tokenizer takes them
+            message["content"].encode()
+        except UnicodeEncodeError as error:
+            byte = ord(message["content"][error.start]) - 0xDC00  # Python's undecodable byte
+            where = "--prompt" if isinstance(prompt, str) else "the turn"
+            raise SpecExecError(
+                f"{where} is not UTF-8 text (byte {byte:#04x} at character {error.start})"
+            ) from None
+    has_template = tokenizer.chat_template is not None
+    if chat_template == "on" and not has_template:
+        raise SpecExecError(f"{folder}: its tokenizer has no chat template")
+    if chat_template == "off" or not has_template:
+        text = "".join(("\n" if m["role"] == "user" and i else "") + m["content"]
+                       for i, m in enumerate(messages))  # fmt: skip
+        return tokenizer(text)["input_ids"]
+    try:  # transformers 5 returns a BatchEncoding, which is no dict: ask for it by name
+        encoded = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
+    except Exception as error:  # a template is a program (Jinja) and can fail in any way
+        raise SpecExecError(f"{folder}: its chat template fails ({one_line(error)})") from None
+    return list(encoded["input_ids"])
