@@ -300,7 +300,7 @@ class Checkpoint:
 # ---- the ssd tier's files: the checkpoint's own, or a converted copy with one file per layer ----
 
 
-def disk_layers(
+def ssd_layers(
     ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, kind, offload_dir
 ) -> tuple[list[dict[str, Entry]], Path | None]:
     """Where the ssd tier reads each decoder layer's tensors (name -> Entry, a dict per layer):

@@ -8,6 +8,7 @@ Every bad input is one line `error: ...` on stderr, exit status 2, no traceback,
 import argparse
 import math
 import os
+import shutil
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
@@ -25,15 +26,7 @@ try:  # torch takes seconds to import: Ctrl-C meanwhile exits as it does later, 
 except KeyboardInterrupt:
     sys.exit(130)
 
-HERE = models.CLONE  # a clone of the project: models/ holds the default pair
 RESET = "\033[0m"
-
-
-NOT_THE_REGIME = (
-    "(not SpecExec's regime: with the target {where}, a tree's pass costs more than one token's."
-    " It pays where weights stream over a slow link: `python -m scripts.bench_disk --grow-to "
-    "big-target`, then `python specexec.py --target big-target --offload ssd --compare`)"
-)
 
 
 def dim(text):
@@ -142,9 +135,8 @@ def run(args):
     target = models.model_name(args.target, "--target")
     draft = self_draft or models.model_name(args.draft, "--draft")
     prompt = args.prompt  # a chat's first turn, if given
-    prompt = (
-        models.default_prompt(args.prompt_index) if prompt is None and not args.chat else prompt
-    )
+    if prompt is None and not args.chat:
+        prompt = models.default_prompt(args.prompt_index)
     target = models.open_model(target)
     draft = target if self_draft else models.open_model(draft)
     tokenizers = [models.load_tokenizer(target.folder)]
@@ -165,18 +157,31 @@ def run(args):
         for role, opened in ("target", target), ("draft", draft):
             loaded.append(load(opened, role, args, device, dtype, context))
         if args.chat:
-            conversation = specexec.Chat(*loaded, opts)
-            chat.talk(conversation, tokenizers[0], args.chat_template, target.folder, list(eos),
-                      Streamer, dim, first=prompt)  # fmt: skip
+            chat.talk(specexec.Chat(*loaded, opts), tokenizers[0], args.chat_template,
+                      target.folder, list(eos), Streamer, dim, first=prompt)  # fmt: skip
         else:
             report(*loaded, tokenizers[0], seq, list(eos), args, opts, device)
     finally:
         for model in loaded:  # an offloaded one gives back its files, thread and pinned memory
             getattr(model, "close", lambda: None)()
-        said = loaded and args.offload and loaded[0].converted_copy(args.offload_clean)
-        if said:  # where the ssd tier's converted copy is, or that --offload-clean removed it
-            hint = "" if args.offload_clean else "; --offload-clean removes it"
-            print(f"offload: {said}{hint}", file=sys.stderr)
+        if loaded and args.offload:
+            tell_converted_copy(loaded[0].converted_folder, args.offload_clean)
+
+
+def tell_converted_copy(folder, remove):
+    """Where the ssd tier's converted copy stays, or that --offload-clean removed it."""
+    if folder is None or not folder.exists():  # the checkpoint was read in place
+        return
+    if not remove:
+        size = sum(f.stat().st_size for f in folder.iterdir()) / 1e9
+        return print(f"offload: a converted copy ({size:.2f} GB) stays in {folder} for the next"
+                     " run; --offload-clean removes it", file=sys.stderr)  # fmt: skip
+    try:
+        shutil.rmtree(folder)
+    except OSError as error:
+        why = f"{error.strerror or error}: {error.filename}"
+        raise OffloadError(f"cannot remove the converted copy {folder} ({why})") from None
+    print(f"offload: removed the converted copy {folder}", file=sys.stderr)
 
 
 def load(opened, role, args, device, dtype, context):
@@ -198,17 +203,14 @@ def report(target, draft, tokenizer, seq, eos, args, opts, device):
     if opts.seed is None:  # one seed for both runs, so --compare can match them
         opts = replace(opts, seed=torch.seed())
     if args.compare:  # both warmed up before either is timed: neither pays the first passes
-        specexec.generate(
-            target, draft, seq, eos_token_id=eos, opts=replace(opts, max_new_tokens=2)
-        )
-        specexec.autoregressive(target, seq, eos_token_id=eos, opts=replace(opts, max_new_tokens=2))
+        warm = replace(opts, max_new_tokens=2)
+        specexec.generate(target, draft, seq, eos_token_id=eos, opts=warm)
+        specexec.autoregressive(target, seq, eos_token_id=eos, opts=warm)
     # On a terminal the prompt is dim; in a file or pipe a line marks where the output starts.
     tty = sys.stdout.isatty()
     print(dim(tokenizer.decode(seq)), end="" if tty else "\n--- continuation ---\n", flush=True)
-    stream = Streamer(tokenizer)
-    tokens, stats = specexec.generate(
-        target, draft, seq, eos_token_id=eos, on_tokens=stream, opts=opts
-    )
+    tokens, stats = specexec.generate(target, draft, seq, eos_token_id=eos, opts=opts,
+                                      on_tokens=Streamer(tokenizer))  # fmt: skip
     print("\n\n" + dim(f"specexec: {stats.summary()}"))
     if args.offload:
         layers = target.config.num_hidden_layers
@@ -225,13 +227,14 @@ def report(target, draft, tokenizer, seq, eos, args, opts, device):
     print(dim(f"plain decoding: {base.summary()}"))
     if base.new_tokens and stats.new_tokens:
         speedup = stats.tokens_per_second / base.tokens_per_second
-        print(
-            f"speedup {speedup:.2f}x: SpecExec against plain decoding of the same target, both "
-            f"warmed up ({stats.tokens_per_step:.2f} tokens per target pass)"
-        )
+        print(f"speedup {speedup:.2f}x: SpecExec against plain decoding of the same target, both "
+              f"warmed up ({stats.tokens_per_step:.2f} tokens per target pass)")  # fmt: skip
         if speedup < 1 and device.type == "cpu" and args.offload != "ssd":
             where = "in memory" if not args.offload else "in RAM (on a CPU, a memory copy)"
-            print(dim(NOT_THE_REGIME.format(where=where)))
+            print(dim(f"(not SpecExec's regime: with the target {where}, a tree's pass costs more "
+                      "than one token's. It pays where weights stream over a slow link: `python -m "
+                      "scripts.bench_disk --grow-to big-target`, then `python specexec.py --target "
+                      "big-target --offload ssd --compare`)"))  # fmt: skip
     print("identical output" if base_tokens == tokens else "outputs differ")
 
 
@@ -259,10 +262,8 @@ def check_flags(args, opts):
     try:  # any character a model may write (ascii:replace, say, takes them all)
         "\u00e9\u2014\U0001f600".encode(sys.stdout.encoding, sys.stdout.errors or "strict")
     except (UnicodeEncodeError, LookupError, TypeError):
-        raise SpecExecError(
-            f"standard output's encoding {sys.stdout.encoding} cannot write all of a model's "
-            "text: set PYTHONIOENCODING=utf-8"
-        ) from None
+        raise SpecExecError(f"standard output's encoding {sys.stdout.encoding} cannot write all "
+                            "of a model's text: set PYTHONIOENCODING=utf-8") from None  # fmt: skip
 
 
 # ---- output ----
@@ -277,10 +278,9 @@ class Streamer:
     def __call__(self, tokens):
         self.ids += tokens
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return
-        print(text[self.printed :], end="", flush=True)
-        self.printed = len(text)
+        if not text.endswith("\ufffd"):  # else an incomplete character, held back
+            print(text[self.printed :], end="", flush=True)
+            self.printed = len(text)
 
 
 # ---- entry point ----
