@@ -5,25 +5,24 @@ memory. Their weights live in RAM or on an SSD and every target pass streams all
 the device, so a pass costs about the same for one token or a thousand: a large draft tree rides
 on bandwidth that is spent anyway. This module is that target. Embeddings, final norm, LM head,
 rotary embedding and KV cache stay on the device; each decoder layer is copied into one of
-`buffers` device slots just before it runs, while the next layer is already on its way. Given
-`device_memory`, as many layers as fit beside those stay on the device for good, and a pass moves
-only the others' bytes (UMbreLLa's resident layers).
+`buffers` device slots just before it runs, the next one already on its way. Given
+`device_memory`, as many layers as fit stay for good (UMbreLLa's resident layers).
 
-| paper / idea                 | code                                                          |
-| ---------------------------- | ------------------------------------------------------------- |
-| offloaded target model       | `OffloadedCausalLM`, built by `from_pretrained`               |
-| layer i+1 loads while i runs | `StreamedLayers.__iter__`: prefetch, wait, compute, release   |
-| cost of one target pass      | `PassStats`: bytes moved, seconds waiting for weights, GB/s   |
-| what is on the device now    | `LayerRing`: `buffers` slots, filled in order by one reader   |
+| paper / idea                 | code                                                             |
+| ---------------------------- | ---------------------------------------------------------------- |
+| offloaded target model       | `OffloadedCausalLM`, built by `from_pretrained`                  |
+| layer i+1 loads while i runs | `StreamedLayers.__iter__`: prefetch, wait, compute, release      |
+| cost of one target pass      | `PassStats`: bytes moved, seconds waiting for weights, GB/s      |
+| what is on the device now    | `LayerRing`: `buffers` slots, filled in order by one reader      |
 | resident layers              | `device_memory=`: `LayerRing.resident`, loaded once, never moved |
-| where the weights live       | storage: `RamStorage` (mode="ram"), `SsdStorage` (mode="ssd")  |
-| int8 / int4 weights          | `Dequantizing` around either storage; arithmetic: quantize.py |
-| what the ring asks of a device | `Cuda` (streams, events) and `Cpu`; tests add a fake one    |
+| where the weights live       | storage: `RamStorage` (mode="ram"), `SsdStorage` (mode="ssd")    |
+| int8 / int4 weights          | `Dequantizing` around either storage; arithmetic: quantize.py    |
+| what a device must do        | `Cuda` (streams, events) and `Cpu`; tests add a fake one         |
 
-Storage (the bytes of each layer and where they are), state (which layer occupies which device
-slot) and config (the Hugging Face model: config, masks, rotary, the decoder layers' code) are
-kept apart. The Hugging Face model runs its own forward; only its list of decoder layers is
-replaced by `StreamedLayers`, whose iteration brings each layer in and takes it out again.
+Storage (each layer's bytes and where they are), state (which layer occupies which device slot)
+and config (the Hugging Face model: config, masks, rotary, the decoder layers' code) are kept
+apart: the Hugging Face model runs its own forward, its list of decoder layers replaced by
+`StreamedLayers`, whose iteration brings each layer in and takes it out again.
 
 Ordering on CUDA, without a host synchronize per layer: a load records a "ready" event on the
 copy stream (quantized: on the dequant stream, after the copies), and compute waits on it on the
@@ -66,15 +65,14 @@ PAGE = 4096
 class OffloadedCausalLM(nn.Module):
     """Called like the Hugging Face model it wraps; its decoder layers visit the device in turn."""
 
-    def __init__(self, hf_model: nn.Module, storage, sizes, buffers: int, ops, n_resident=0):
+    def __init__(self, hf_model, storage, sizes, buffers, ops, n_resident, converted, kind):
         super().__init__()
         self.layers = hf_model.model.layers  # their parameters: meta, or views of a slot
         del hf_model.model.layers  # a module list cannot be replaced by a plain object in place
         self.ring = LayerRing(storage, sizes, buffers, len(self.layers), n_resident, ops)
-        # however the model goes (close, a `with` block, dropped, the interpreter's exit): the
-        # ring's thread, files, pinned memory and streams are given back, once
+        # closed, left by a `with`, dropped or at exit: thread, files, pinned memory given back once
         self.finalizer = weakref.finalize(self, self.ring.close)
-        self.streamed = StreamedLayers(self.layers, self.ring, storage.layouts)
+        self.streamed = StreamedLayers(self.layers, self.ring)
         for i, buffer in self.ring.resident.items():  # loaded and bound once, for good
             ops.host_wait(storage.load_resident(i, buffer, ops))  # landed before compute reads it
             bind(self.layers[i], storage.resident_views(i, buffer))
@@ -83,8 +81,7 @@ class OffloadedCausalLM(nn.Module):
         hf_model.model.layers = self.streamed
         self.hf = hf_model  # all on the device, except the decoder layers' weights
         self.layouts = storage.layouts
-        self.converted_folder: Path | None = None  # the ssd tier's converted copy: from_pretrained
-        self.quantized: str | None = None  # "int8" / "int4": set by from_pretrained
+        self.converted_folder, self.quantized = converted, kind  # the ssd tier's copy; int8 / int4
         self.stats = PassStats(resident_layers=len(self.ring.resident))
 
     config = property(lambda self: self.hf.config)
@@ -100,29 +97,27 @@ class OffloadedCausalLM(nn.Module):
         if self.closed:  # its reader thread and files are gone
             raise OffloadError("this offloaded model was closed; load it again to use it")
         started, ops = time.perf_counter(), self.ring.ops
-        self.stats = self.streamed.stats = PassStats(resident_layers=len(self.ring.resident))
+        self.stats = PassStats(resident_layers=len(self.ring.resident))  # this pass's
         self.streamed.waits.clear()
         self.ring.start_pass()
         try:
             out = self.hf(input_ids.to(self.device), **kwargs)  # logits (batch, q, vocab)
         finally:
             self.streamed.release()  # after an exception, the layer it left bound
+            self.stats.bytes_moved = sum(self.layouts[i].nbytes for i, *_ in self.streamed.waits)
         # one host wait per pass, not per layer: pass_s then counts the device's work too, and
         # every event of the pass has passed, so the device's own times can be read
         ops.host_wait(ops.record("compute"))
         self.stats.pass_s = time.perf_counter() - started
-        for waiting, waited in self.streamed.waits:
+        for _, waiting, waited in self.streamed.waits:
             self.stats.wait_s += ops.seconds(waiting, waited)
         return out
 
-    def close(self) -> None:
-        self.finalizer()  # a second call does nothing
+    close = lambda self: self.finalizer()  # a second call does nothing
+    __exit__ = lambda self, *exc: self.close()
 
     def __enter__(self) -> Self:
         return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 @dataclass
@@ -134,18 +129,14 @@ class PassStats:
     wait_s: float = 0.0  # seconds compute sat waiting for weights, on the device's clock
     pass_s: float = 0.0  # wall seconds of the whole pass, device work included
 
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes_moved / self.pass_s / 1e9 if self.pass_s else 0.0
+    gb_per_s = property(lambda self: self.bytes_moved / self.pass_s / 1e9 if self.pass_s else 0.0)
 
     def summary(self, n_layers: int) -> str:
         """One line: the resident layers, and what the pass moved and waited for."""
         rate = f" ({self.gb_per_s:.2f} GB/s)" if self.bytes_moved > 1e8 else ""
-        return (
-            f"{self.resident_layers} of {n_layers} layers resident; the last target pass moved "
-            f"{self.bytes_moved / 1e6:,.1f} MB in {self.pass_s:.3f}s{rate}, {self.wait_s:.3f}s "
-            "of it waiting for weights"
-        )
+        return (f"{self.resident_layers} of {n_layers} layers resident; the last target pass moved "
+                f"{self.bytes_moved / 1e6:,.1f} MB in {self.pass_s:.3f}s{rate}, {self.wait_s:.3f}s "
+                "of it waiting for weights")  # fmt: skip
 
 
 def bind(layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -157,39 +148,33 @@ def bind(layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
 
 class StreamedLayers:
     """Stands in for the Hugging Face model's list of decoder layers: iterating it streams them.
-
     The model's own forward (masks, rotary, cache) runs unchanged and loops over
-    `self.layers[: config.num_hidden_layers]`; slicing gives the same stream over fewer layers.
-    """
+    `self.layers[: config.num_hidden_layers]`; slicing gives the same stream over fewer layers."""
 
-    def __init__(self, layers: nn.ModuleList, ring: "LayerRing", layouts):
-        self.layers, self.ring, self.layouts = layers, ring, layouts
-        self.indices = range(len(layers))
+    def __init__(self, layers: nn.ModuleList, ring: "LayerRing"):
+        self.layers, self.ring, self.indices = layers, ring, range(len(layers))
         # between runs a decoder layer rests on meta tensors: shapes, no bytes
         self.unbound = [{n: p.data for n, p in layer.named_parameters()} for layer in layers]
-        self.stats = PassStats()  # of the pass now running
-        self.waits = []  # per streamed layer: events on the compute stream around its wait
+        self.waits = []  # this pass's: (streamed layer, events on compute around its wait)
 
     def __getitem__(self, index: slice) -> "StreamedLayers":
-        streamed = copy.copy(self)  # shares the layers, the ring and this pass's stats
+        streamed = copy.copy(self)  # shares the layers, the ring and this pass's waits
         streamed.indices = self.indices[index]
         return streamed
 
     def __iter__(self):
-        ring, stats = self.ring, self.stats
+        ring = self.ring
         for i in self.indices:
             if i not in ring.resident:  # a resident layer is bound to a buffer of its own for good
-                # prefetch next: the streamed layer `lookahead` on takes the slot the last one
-                # released. Near the end this wraps around: the next pass's first layers load
-                # during this pass's LM head.
+                # prefetch next: the streamed layer `lookahead` on takes the slot released last;
+                # near the end, the next pass's first layers (they load during the LM head)
                 ring.prefetch(ring.after[i])
 
                 # wait for this one: the reader has issued it and compute waits for it to land;
                 # events on the compute stream around that wait time it as the device sees it
                 waiting = ring.ops.record("compute")
                 slot = ring.wait(i)
-                self.waits.append((waiting, ring.ops.record("compute")))
-                stats.bytes_moved += self.layouts[i].nbytes
+                self.waits.append((i, waiting, ring.ops.record("compute")))
                 # bound in the compute stream's order: a device that queues a whole pass ahead
                 # runs each layer on what was bound when its kernels were queued
                 ring.ops.launch(bind, self.layers[i], ring.storage.views(i, slot))
@@ -212,32 +197,20 @@ class StreamedLayers:
 
 
 def from_pretrained(
-    name_or_path: "str | os.PathLike | models.Opened",
-    *,
-    mode: str = "ram",
-    device: "str | torch.device | Cpu | None" = None,
-    dtype: torch.dtype | str | None = None,
-    offload_dir: str | os.PathLike | None = None,
-    buffers: int = 2,
-    quantize: str | None = None,
-    device_memory: float | None = None,
-    context: int | None = None,
-) -> OffloadedCausalLM:
-    """An offloaded causal LM from a model folder, a hub id or a folder models.open_model has
-    opened and checked already (decoder layers at `model.layers`).
-
-    mode "ram": every layer in one host arena; "ssd": layers read from safetensors every pass
-    (the checkpoint's own files when their dtype fits, else a per-layer copy made in offload_dir,
-    announced on stderr and named by `model.converted_folder`). device None: cuda if available,
-    else cpu; a `Cpu`/`Cuda`-like object runs on it (tests pass a fake one). dtype None: the dtype
-    stored in the checkpoint; "float16" and "torch.bfloat16" are read as torch dtypes. quantize
-    "int8" or "int4": decoder-layer linear weights are stored and moved quantized (quantize.py)
-    and dequantized into `dtype` on the device (ssd: always from a converted copy).
-    device_memory: bytes the model may hold on the device (None: stream every layer); after the
-    embeddings and head, a KV cache of `context` tokens (None: the config's max positions) and
-    the ring's slots, as many decoder layers as fit stay resident and are never moved again.
-    Activations need room beyond it. Every error is an OffloadError with a one-line message.
-    """
+    name_or_path: "str | os.PathLike | models.Opened", *, mode: str = "ram",
+    device: "str | torch.device | Cpu | None" = None, dtype: torch.dtype | str | None = None,
+    offload_dir: str | os.PathLike | None = None, buffers: int = 2, quantize: str | None = None,
+    device_memory: float | None = None, context: int | None = None,
+) -> OffloadedCausalLM:  # fmt: skip
+    """An offloaded causal LM from a model folder, a hub id or a models.Opened (decoder layers at
+    `model.layers`); every error an OffloadError with a one-line message. mode "ram": every layer
+    in one host arena; "ssd": layers read from safetensors every pass (the checkpoint's own files
+    when their dtype fits, else a per-layer copy made in offload_dir, announced on stderr and named
+    by `model.converted_folder`). device None: cuda if available, else cpu (or a `Cpu`/`Cuda`-like
+    object). dtype None: the checkpoint's ("float16", "torch.bfloat16" read as dtypes). quantize
+    "int8" / "int4": linear weights stored and moved quantized. device_memory: bytes the model may
+    hold on the device, activations aside (None: stream every layer); beside the head, a KV cache
+    of `context` tokens (None: max positions) and the ring, as many layers as fit stay resident."""
     if mode not in ("ram", "ssd"):
         raise OffloadError(f"mode must be 'ram' or 'ssd', not {mode!r}")
     if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 1:
@@ -258,8 +231,7 @@ def from_pretrained(
     ckpt, n_layers = opened.checkpoint, opened.config.num_hidden_layers
     dtype = models.as_dtype(dtype) or ckpt.dtype
     models.check_dtype_runs(ops.device, dtype)
-    # the model on meta costs nothing; only the parts that stay on the device get real tensors
-    hf = opened.skeleton(dtype)
+    hf = opened.skeleton(dtype)  # on meta: only the parts that stay on the device get bytes
     shapes = ckpt.check_layers(hf, quantize)  # what each decoder layer holds, the same for all
     sizes = slot_sizes(ckpt, shapes, n_layers, dtype, quantize, mode == "ssd" and not ops.staging)
     n_resident = 0
@@ -267,37 +239,34 @@ def from_pretrained(
         n_resident = count_resident(hf, dtype, device_memory, context, buffers, sizes)
     models.load_weights(opened, hf, ops.device, dtype, layers=False)
 
-    converted = None
     with contextlib.ExitStack() as undo:  # failing from here on, give back what was taken
         undo.callback(ops.close)
         if mode == "ram":  # every layer into one arena: the big read
-            storage = RamStorage(pack(quant.stored_layer(shapes, dtype, quantize)), n_layers, ops)
+            stored, converted = pack(quant.stored_layer(shapes, dtype, quantize)), None
+            storage = RamStorage(stored, n_layers, ops)
             undo.callback(storage.close)
             storage.fill(ckpt, shapes, dtype, quantize)
         else:  # the checkpoint's own files where they fit, else a converted copy
-            layers, converted = files.ssd_layers(
+            where, converted = files.ssd_layers(
                 ckpt, shapes, n_layers, dtype, quantize, offload_dir
             )
-            storage = SsdStorage(layers, ops)
+            storage = SsdStorage(where, ops)
             undo.callback(storage.close)
         assert max(layout.nbytes for layout in storage.layouts) <= sizes.moved, "outgrows a slot"
         if quantize is not None:  # a slot also holds the layer's dequantized weights
             storage = Dequantizing(storage, shapes, dtype, quantize, sizes)
-        model = OffloadedCausalLM(hf, storage, sizes, buffers, ops, n_resident)
+        model = OffloadedCausalLM(hf, storage, sizes, buffers, ops, n_resident, converted, quantize)
         undo.pop_all()  # the model's own now: its close() or finalizer gives them back
-    model.converted_folder, model.quantized = converted, quantize
     return model
 
 
-class SlotSizes(NamedTuple):
-    moved: int  # what a load moves into a slot (quantized: the dequantized weights follow it)
-    slot: int  # a ring slot: the moved bytes and, quantized, the weights dequantized from them
-    resident: int  # a resident layer's buffer (quantized: only what compute reads)
+# Bytes on the device: what a load moves into a slot, a ring slot, a resident layer's buffer
+SlotSizes = namedtuple("SlotSizes", "moved slot resident")
 
 
 def slot_sizes(ckpt, shapes: dict, n_layers: int, dtype, kind, straight: bool) -> SlotSizes:
-    """A layer's bytes on the device, from the config and the headers alone, for the budget and
-    the storages both. `straight`: ssd reads land in the slot as their files lay them out."""
+    """A layer's bytes on the device, from the config and the headers alone: one sizing for the
+    budget and the storages. `straight`: ssd reads land in the slot as their files lay them out."""
     stored = quant.stored_layer(shapes, dtype, kind)  # meta: what storage holds of a layer
     moved = pack(stored).nbytes  # ram, or ssd through staging: the tensors as pack lays them
     if straight:  # a copy is one file, its tensors end to end after a header in the first page
@@ -313,9 +282,8 @@ def slot_sizes(ckpt, shapes: dict, n_layers: int, dtype, kind, straight: bool) -
 
 
 def count_resident(hf, dtype, device_memory, context, buffers, sizes: SlotSizes) -> int:
-    """How many decoder layers stay on the device: the most k whose own buffers and the ring's
-    min(buffers, n - k) slots fit in `device_memory` beside what is on the device anyway: the
-    parts outside the decoder layers, and keys and values of every layer for `context` tokens."""
+    """The most k layers whose buffers, with the ring's min(buffers, n - k) slots, fit in
+    `device_memory` beside the parts outside the decoder layers and a KV cache of `context`."""
     config, n_layers = hf.config, hf.config.num_hidden_layers
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -325,22 +293,17 @@ def count_resident(hf, dtype, device_memory, context, buffers, sizes: SlotSizes)
     fits = [k for k in range(n_layers + 1) if fixed + k * sizes.resident
             + min(buffers, n_layers - k) * sizes.slot <= device_memory]  # fmt: skip
     if not fits:
-        raise OffloadError(
-            f"device_memory {device_memory / 1e9:.3f} GB: the head and {positions} positions"
-            f" of KV cache take {fixed / 1e9:.3f} GB, leaving too little for {buffers} slots"
-        )
+        raise OffloadError(f"device_memory {device_memory / 1e9:.3f} GB: the head and {positions}"
+                           f" positions of KV cache take {fixed / 1e9:.3f} GB, leaving too little"
+                           f" for {buffers} slots")  # fmt: skip
     return max(fits)
 
 
 def self_draft(target, kind: str, **options) -> OffloadedCausalLM:
-    """The target's own int8 or int4 copy as SpecExec's draft (SubSpec, 2025): the same
-    tokenizer by construction and no second checkpoint. Every layer resident (nothing streams);
-    `target` a folder, hub id or models.Opened, `options` as from_pretrained's (device, dtype).
-
-    Each layer's buffer holds its weights dequantized into `dtype`, and the matmuls run on those
-    (no int8 / int4 kernels here): it computes exactly the quantized model, but holds the full
-    model's bytes on the device, not a quarter of them. Once loaded, its host copy is let go.
-    """
+    """The target's own int8 or int4 copy as SpecExec's draft (SubSpec, 2025): the same tokenizer
+    by construction, no second checkpoint, every layer resident; `options` as from_pretrained's.
+    Its weights are held dequantized (no int8 / int4 kernels here): it computes exactly the
+    quantized model, but holds the full model's bytes on the device, not a quarter of them."""
     if kind not in quant.KINDS:
         raise OffloadError(f"a self-draft is 'int8' or 'int4', not {kind!r}")
     return from_pretrained(target, mode="ram", quantize=kind, device_memory=math.inf, **options)
@@ -349,18 +312,13 @@ def self_draft(target, kind: str, **options) -> OffloadedCausalLM:
 # ---- the ring: what is on the device right now ----
 
 
-# A layer on its way: its slot, and a future whose result is its "ready" event, set once the
-# reader has issued all its work.
-Load = namedtuple("Load", "layer slot issued")
+Load = namedtuple("Load", "layer slot issued")  # issued: a future of its "ready" event
 
 
 class LayerRing:
-    """`buffers` device slots, filled by one reader thread in the order the layers will run; and
-    the resident layers, each loaded once into a buffer of its own and never moved again.
-
-    Slots are handed out round-robin, so a new load always takes the slot of the layer released
-    last. At most `buffers` streamed layers are alive at once: in flight, landed, or computing.
-    """
+    """`buffers` device slots, filled by one reader thread in the order the layers will run, and
+    the resident layers' buffers. Slots go round-robin, so a new load takes the slot of the layer
+    released last: at most `buffers` streamed layers are in flight, landed or running at once."""
 
     def __init__(self, storage, sizes, buffers: int, n_layers: int, n_resident: int, ops):
         self.storage, self.sizes, self.ops = storage, sizes, ops
@@ -371,16 +329,12 @@ class LayerRing:
         self.order = [i for i in range(n_layers) if i not in self.resident]  # the streamed layers
         self.slots = [ops.device_buffer(sizes.slot) for _ in self.order[:buffers]]  # (slot,)
         self.freed = [None] * len(self.slots)  # each slot's last release, an event on compute
-        self.lookahead = max(0, len(self.slots) - 1)  # layers loading while one computes
-        # what to prefetch as each streamed layer starts: the streamed layer `lookahead` further on,
-        # past the pass's end into the next pass's first ones
-        self.after = dict(
-            zip(self.order, self.order[self.lookahead :] + self.order[: self.lookahead])
-        )
+        ahead = self.lookahead = max(0, len(self.slots) - 1)  # layers loading while one computes
+        # prefetched as each streamed layer starts: the one `lookahead` on (past the end: wrapped)
+        self.after = dict(zip(self.order, self.order[ahead:] + self.order[:ahead]))
         self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-reader")
         self.queue: deque[Load] = deque()  # in the order they will be used; not yet handed out
-        self.in_use: Load | None = None  # handed out by wait() and not yet released
-        self.next_slot = 0
+        self.in_use, self.next_slot = None, 0  # in_use: a Load handed out by wait(), not released
 
     def start_pass(self) -> None:
         """Keep what the last pass prefetched for its first layers, drop an interrupted pass's."""
@@ -412,11 +366,8 @@ class LayerRing:
         return self.storage.load(layer, self.slots[slot], self.ops)
 
     def wait(self, layer: int) -> torch.Tensor:
-        """Compute waits (on the device) until `layer` has landed in the slot returned.
-
-        The host first waits for the reader to have issued the load: an event is waited on only
-        once it has been recorded.
-        """
+        """Compute waits (on the device) until `layer` has landed in the slot returned. The host
+        first waits for the reader to have issued the load: an event is waited on once recorded."""
         load = self.queue.popleft()
         assert load.layer == layer, f"the ring holds layer {load.layer} next, not {layer}"
         self.ops.wait_event("compute", load.issued.result())
@@ -435,8 +386,7 @@ class LayerRing:
         self.queue.clear()
 
     def close(self) -> None:
-        """Everything given back, in order: loads issued, then the host memory they read (once
-        their copies ran), then the streams; the slots go after, with the ring."""
+        """Given back in order: loads issued, the host memory they read, the streams; then slots."""
         self.drain()
         self.reader.shutdown()
         self.storage.close()
@@ -446,14 +396,10 @@ class LayerRing:
 # ---- storage: where each layer's bytes live, and how they reach a slot ----
 
 
-class TensorSpec(NamedTuple):
-    offset: int  # bytes from the start of the layer buffer
-    dtype: torch.dtype
-    shape: tuple[int, ...]
+TensorSpec = namedtuple("TensorSpec", "offset dtype shape")  # offset: bytes into a layer buffer
 
 
-@dataclass(frozen=True)
-class Layout:
+class Layout(NamedTuple):
     """How one layer's tensors sit in its flat byte buffer."""
 
     tensors: dict[str, TensorSpec]  # name inside the layer, e.g. "self_attn.q_proj.weight"
@@ -461,11 +407,8 @@ class Layout:
 
     def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed, shaped views of a flat uint8 buffer; no copy."""
-        out = {}
-        for name, (offset, dtype, shape) in self.tensors.items():
-            nbytes = torch.Size(shape).numel() * dtype.itemsize
-            out[name] = buffer[offset : offset + nbytes].view(dtype).view(shape)
-        return out
+        return {name: buffer[at : at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                for name, (at, dtype, shape) in self.tensors.items()}  # fmt: skip
 
 
 def pack(tensors: dict) -> Layout:
@@ -473,35 +416,27 @@ def pack(tensors: dict) -> Layout:
     specs, offset = {}, 0
     for name, tensor in tensors.items():
         specs[name] = TensorSpec(offset, tensor.dtype, tuple(tensor.shape))
-        offset += round_up(torch.Size(tensor.shape).numel() * tensor.dtype.itemsize)
+        offset += round_up(math.prod(tensor.shape) * tensor.dtype.itemsize)
     return Layout(specs, offset)
 
 
-def round_up(nbytes: int) -> int:
-    return -(-nbytes // PAGE) * PAGE
+round_up = lambda nbytes: -(-nbytes // PAGE) * PAGE  # to whole pages
 
 
 class Storage:
-    """Where layers' bytes live. `layouts[i]`: what a load of layer i moves into a slot.
-
-    `load` queues a layer's way into a slot and returns the event compute waits for;
-    `load_resident` does it once for a resident layer, into a buffer it binds for good.
-    """
+    """Where layers' bytes live. `layouts[i]`: what a load of layer i moves into a slot. `load`
+    queues a layer's way into a slot and returns the event compute waits for; `load_resident`
+    does it once for a resident layer, into a buffer it binds for good."""
 
     layouts: list[Layout]
     reads_ssd = False  # whether a load blocks the host on the SSD
 
-    def views(self, layer: int, slot: torch.Tensor) -> dict[str, torch.Tensor]:
-        """What the decoder layer binds once `slot` holds it: its parameters."""
+    def views(self, layer: int, slot: torch.Tensor) -> dict[str, torch.Tensor]:  # its parameters
         return self.layouts[layer].views(slot)
 
     resident_views = views  # a resident layer's buffer is a slot
-
-    def load_resident(self, layer: int, buffer: torch.Tensor, ops):
-        return self.load(layer, buffer, ops)
-
-    def close(self) -> None:
-        pass
+    load_resident = lambda self, layer, buffer, ops: self.load(layer, buffer, ops)
+    close = lambda self: None  # nothing held
 
 
 class RamStorage(Storage):
@@ -532,10 +467,7 @@ class RamStorage(Storage):
 
 @dataclass
 class Read:
-    """One pread of `path` from `file_offset` into the layer buffer at `buffer_offset`.
-
-    `nbytes` must arrive; the read asks for whole pages (round_up(nbytes)), as O_DIRECT wants.
-    """
+    """One pread: `nbytes` of `path` from `file_offset` (whole pages asked) to `buffer_offset`."""
 
     path: Path
     file_offset: int
@@ -544,12 +476,9 @@ class Read:
 
 
 def plan_reads(entries: dict[str, files.Entry]) -> tuple[Layout, list[Read]]:
-    """Merge one layer's tensors into page-aligned ranges of their files: one read per range.
-
-    Hugging Face checkpoints store tensors sorted by name, so a layer is usually one range per
-    file. A range keeps the file's byte layout, so a tensor sits in the buffer where it sat in
-    the file, shifted by where its range landed.
-    """
+    """Merge one layer's tensors into page-aligned ranges of their files, one read per range (a
+    layer is usually one range per file): a tensor sits in the buffer where it sat in its file,
+    shifted by where its range landed."""
     tensors, reads = {}, []
     for name, entry in sorted(entries.items(), key=lambda item: (str(item[1].path), item[1].start)):
         last = reads[-1] if reads else None
@@ -566,13 +495,10 @@ def plan_reads(entries: dict[str, files.Entry]) -> tuple[Layout, list[Read]]:
 
 class SsdStorage(Storage):
     """Layers stay in safetensors files; a layer is a few preads, two in flight (an SSD serves a
-    queue faster than one read), straight into the slot or through staging.
-
-    Where the device cannot read host memory, reads land in a few pinned staging chunks, copied on
-    tensor by tensor to where `pack` puts each, so SSD and copy engine overlap; chunk k is read
-    into again only after its last copy finished, the one wait that blocks the host. Read straight
-    into host memory (O_DIRECT: whole pages), tensors keep their file's alignment (CPUs don't mind).
-    """
+    queue faster than one read). Where the device cannot read host memory, reads land in pinned
+    staging chunks, copied on tensor by tensor to where `pack` puts each, so SSD and copy engine
+    overlap; chunk k is read into again once its last copy finished, the one wait that blocks the
+    host. Read straight in (O_DIRECT), tensors keep their file's alignment (CPUs don't mind)."""
 
     piece_nbytes = 32 * 2**20  # the most one pread asks for (through staging: a chunk)
     reads_ssd = True
@@ -593,8 +519,7 @@ class SsdStorage(Storage):
         except BaseException:
             self.close()
             raise
-        self.copied = [None] * count  # each chunk's last copy, as an event on the copy stream
-        self.next = 0  # the chunk the next read lands in
+        self.copied, self.next = [None] * count, 0  # each chunk's last copy; the next read's chunk
 
     def load(self, layer: int, slot: torch.Tensor, ops):
         """Read a layer into `slot` (page-aligned): straight in, or chunk by chunk via staging."""
@@ -651,14 +576,9 @@ def dequantized_layouts(shapes: dict, dtype: torch.dtype) -> tuple[Layout, Layou
 
 
 class Dequantizing(Storage):
-    """Quantized layers (quantize.py), held by the ram or ssd storage it wraps.
-
-    A slot holds the bytes that moved (`layouts`, what PassStats counts), then, from
-    `sizes.moved`, the compute-dtype weights they are dequantized into on a stream of its own:
-    the copy stream goes on with the next layer meanwhile, and the layer's "ready" event is the
-    dequantizing's. Norms and biases move as they are. A resident layer holds only what compute
-    reads (`plain`).
-    """
+    """Quantized layers (quantize.py) in the ram or ssd storage it wraps. A slot holds the bytes
+    that moved (`layouts`), then the weights dequantized from them on a stream of its own (the
+    copy stream goes on meanwhile; "ready" is the dequantizing's). Resident: what compute reads."""
 
     def __init__(self, storage: Storage, shapes: dict, dtype, kind: str, sizes: SlotSizes):
         self.storage, self.layouts, self.kind = storage, storage.layouts, kind
@@ -666,21 +586,18 @@ class Dequantizing(Storage):
         self.weights, self.plain = dequantized_layouts(shapes, dtype)
 
     def load(self, layer: int, slot: torch.Tensor, ops):
-        moved = self.storage.load(layer, slot, ops)
-        ops.wait_event("dequant", moved)
+        ops.wait_event("dequant", self.storage.load(layer, slot, ops))  # once the bytes moved
         weights = self.weights.views(slot[self.sizes.moved :])
         ops.convert(quant.dequantize_layer, self.layouts[layer].views(slot), weights, self.kind)
         return ops.record("dequant")
 
-    def resident_views(self, layer: int, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-        return self.plain.views(buffer)
+    resident_views = lambda self, layer, buffer: self.plain.views(buffer)
 
     def load_resident(self, layer: int, buffer: torch.Tensor, ops):
-        """Through a slot of its own, then only what compute reads into `buffer` (device to
-        device); the slot goes once those copies have run."""
+        """Through a slot of its own, then what compute reads into `buffer`; the slot goes after."""
         slot = ops.device_buffer(self.sizes.slot)  # (slot,)
         ops.wait_event("copy", self.load(layer, slot, ops))
-        resident = self.plain.views(buffer)
+        resident = self.resident_views(layer, buffer)
         for name, tensor in self.views(layer, slot).items():
             ops.copy(resident[name], tensor)
         ops.host_wait(ops.record("copy"))
@@ -707,46 +624,27 @@ def page_aligned(nbytes: int, device: torch.device) -> torch.Tensor:
 
 
 class Cpu:
-    """Each "stream" is the thread that issues its work (copy and dequant: the reader; compute:
-    the caller), and a thread runs its work in order: an event is done once it is recorded, so
-    it is simply the time it was recorded at, and waits are free."""
+    """Each "stream" is the thread that issues its work (copy and dequant: the reader; compute: the
+    caller), run in order: an event is done once recorded, the time it was, and waits are free."""
 
     staging = None  # slots are host memory: an ssd read lands in one directly, not via staging
     queues = False  # copies run when issued, on the issuing thread (the reader's, beside compute)
     device, pinned_bytes = torch.device("cpu"), 0
     # wait_event(stream, event), host_wait(event), free_host(buffer), close(): nothing to do
     wait_event = host_wait = free_host = close = lambda self, *args: None
-
-    def record(self, stream: str) -> float:
-        return time.perf_counter()
-
-    def seconds(self, start, end) -> float:
-        """From one recorded event to another, on the device's clock (once both have passed)."""
-        return end - start
-
-    def host_buffer(self, nbytes: int) -> torch.Tensor:
-        return page_aligned(nbytes, torch.device("cpu"))
-
-    def device_buffer(self, nbytes: int) -> torch.Tensor:
-        return page_aligned(nbytes, self.device)
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
-
-    def launch(self, fn, *args, **kwargs):  # compute: here, now
-        return fn(*args, **kwargs)
-
-    convert = launch  # dequantizing, on its own stream after the copies it waits for: here, now
+    record = lambda self, stream: time.perf_counter()  # an event: when it was recorded
+    seconds = lambda self, start, end: end - start  # between two events, once both have passed
+    host_buffer = device_buffer = lambda self, nbytes: page_aligned(nbytes, torch.device("cpu"))
+    copy = lambda self, dst, src: dst.copy_(src)
+    # compute, and dequantizing (on its own stream after the copies it waits for): here, now
+    launch = convert = lambda self, fn, *args, **kwargs: fn(*args, **kwargs)
 
 
 class Cuda(Cpu):
     """A copy stream and a dequant stream beside the compute (current) stream, ordered by events,
-    never the host.
-
-    Host memory is page-aligned and registered with cudaHostRegister, pinned byte for byte:
-    `pin_memory=True` would round each block up to a power of two (16 GiB for a 12 GiB model).
-    Written to be right by construction; this module's tests run its ordering on a fake device.
-    """
+    never the host. Host memory is page-aligned and registered with cudaHostRegister, pinned byte
+    for byte (`pin_memory=True` rounds up to a power of two: 16 GiB for a 12 GiB model). Right by
+    construction; the tests run its ordering on a fake device."""
 
     staging = (4, 32 * 2**20)  # pinned chunks an ssd read passes through: count, bytes each
     queues = True  # a copy is queued on the copy stream and the host goes on at once
@@ -755,8 +653,7 @@ class Cuda(Cpu):
         self.device, self.registered, self.pinned_bytes = device, [], 0
         self.streams = {name: torch.cuda.Stream(device) for name in ("copy", "dequant")}
 
-    def stream(self, name: str) -> torch.cuda.Stream:
-        return self.streams.get(name) or torch.cuda.current_stream(self.device)
+    stream = lambda self, name: self.streams.get(name) or torch.cuda.current_stream(self.device)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         buffer = page_aligned(nbytes, torch.device("cpu"))  # (nbytes,)
@@ -784,14 +681,9 @@ class Cuda(Cpu):
         event.record(self.stream(stream))
         return event
 
-    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
-        return start.elapsed_time(end) / 1e3
-
-    def wait_event(self, stream: str, event: torch.cuda.Event) -> None:
-        self.stream(stream).wait_event(event)  # on the device; the host goes on
-
-    def host_wait(self, event: torch.cuda.Event) -> None:
-        event.synchronize()
+    seconds = lambda self, start, end: start.elapsed_time(end) / 1e3
+    wait_event = lambda self, stream, event: self.stream(stream).wait_event(event)  # host goes on
+    host_wait = lambda self, event: event.synchronize()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         with torch.cuda.stream(self.streams["copy"]):
