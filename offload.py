@@ -5,25 +5,24 @@ memory. Their weights live in RAM or on an SSD and every target pass streams all
 the device, so a pass costs about the same for one token or a thousand: a large draft tree rides
 on bandwidth that is spent anyway. This module is that target. Embeddings, final norm, LM head,
 rotary embedding and KV cache stay on the device; each decoder layer is copied into one of
-`buffers` device slots just before it runs, while the next layer is already on its way. Given
-`device_memory`, as many layers as fit beside those stay on the device for good, and a pass moves
-only the others' bytes (UMbreLLa's resident layers).
+`buffers` device slots just before it runs, the next one already on its way. Given
+`device_memory`, as many layers as fit stay for good (UMbreLLa's resident layers).
 
-| paper / idea                 | code                                                          |
-| ---------------------------- | ------------------------------------------------------------- |
-| offloaded target model       | `OffloadedCausalLM`, built by `from_pretrained`               |
-| where the weights live       | storage: `RamStorage` (mode="ram"), `DiskStorage` (mode="ssd") |
-| what is on the device now    | `LayerRing`: `buffers` slots, filled in order by one reader   |
-| layers kept on the device    | `device_memory=`: `LayerRing.kept`, loaded once, never moved  |
-| layer i+1 loads while i runs | `StreamedLayers.__iter__`: prefetch, wait, compute, release   |
-| the device's few operations  | `Cuda` (streams, events) and `Cpu`; tests add a fake one      |
-| cost of one target pass      | `PassStats`: bytes moved, waiting vs computing, GB/s          |
-| int8 / int4 weights          | `Dequantizing` around either storage; arithmetic: quantize.py |
+| paper / idea                 | code                                                             |
+| ---------------------------- | ---------------------------------------------------------------- |
+| offloaded target model       | `OffloadedCausalLM`, built by `from_pretrained`                  |
+| layer i+1 loads while i runs | `StreamedLayers.__iter__`: prefetch, wait, compute, release      |
+| cost of one target pass      | `PassStats`: bytes moved, seconds waiting for weights, GB/s      |
+| what is on the device now    | `LayerRing`: `buffers` slots, filled in order by one reader      |
+| resident layers              | `device_memory=`: `LayerRing.resident`, loaded once, never moved |
+| where the weights live       | storage: `RamStorage` (mode="ram"), `SsdStorage` (mode="ssd")    |
+| int8 / int4 weights          | `Dequantizing` around either storage; arithmetic: quantize.py    |
+| what a device must do        | `Cuda` (streams, events) and `Cpu`; tests add a fake one         |
 
-Storage (the bytes of each layer and where they are), state (which layer occupies which device
-slot) and config (the Hugging Face model: config, masks, rotary, the decoder layers' code) are
-kept apart. The Hugging Face model runs its own forward; only its list of decoder layers is
-replaced by `StreamedLayers`, whose iteration brings each layer in and takes it out again.
+Storage (each layer's bytes and where they are), state (which layer occupies which device slot)
+and config (the Hugging Face model: config, masks, rotary, the decoder layers' code) are kept
+apart: the Hugging Face model runs its own forward, its list of decoder layers replaced by
+`StreamedLayers`, whose iteration brings each layer in and takes it out again.
 
 Ordering on CUDA, without a host synchronize per layer: a load records a "ready" event on the
 copy stream (quantized: on the dequant stream, after the copies), and compute waits on it on the
@@ -38,7 +37,6 @@ import copy
 import math
 import numbers
 import os
-import shutil
 import time
 import weakref
 from collections import deque, namedtuple
@@ -51,139 +49,356 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from specexec_tools import OffloadError, models
 from specexec_tools import checkpoint as files
-from specexec_tools import models
 from specexec_tools import quantize as quant
-from specexec_tools.checkpoint import OffloadError
 
 # Layer buffers, the ranges read into them and the tensors `pack` lays out start on pages: any
 # dtype can view them, O_DIRECT reads land there, and matmul kernels find them aligned.
 PAGE = 4096
 
 
-# ---- the device: six operations, on CUDA streams or in order on the CPU ----
+# ---- the model: the Hugging Face model, its decoder layers streamed from the ring ----
 
 
-def page_aligned(nbytes: int, device: torch.device) -> torch.Tensor:
-    """(nbytes,) uint8 starting on a page boundary, where an O_DIRECT read may land."""
-    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, device=device)
-    skip = -raw.data_ptr() % PAGE
-    return raw[skip : skip + nbytes]
+class OffloadedCausalLM(nn.Module):
+    """Called like the Hugging Face model it wraps; its decoder layers visit the device in turn."""
+
+    def __init__(self, hf_model, storage, sizes, buffers, ops, n_resident, converted, kind):
+        super().__init__()
+        self.layers = hf_model.model.layers  # their parameters: meta, or views of a slot
+        del hf_model.model.layers  # a module list cannot be replaced by a plain object in place
+        self.ring = LayerRing(storage, sizes, buffers, len(self.layers), n_resident, ops)
+        # closed, left by a `with`, dropped or at exit: thread, files, pinned memory given back once
+        self.finalizer = weakref.finalize(self, self.ring.close)
+        self.streamed = StreamedLayers(self.layers, self.ring)
+        for i, buffer in self.ring.resident.items():  # loaded and bound once, for good
+            ops.host_wait(storage.load_resident(i, buffer, ops))  # landed before compute reads it
+            bind(self.layers[i], storage.resident_views(i, buffer))
+        if not self.ring.order:  # nothing streams (a self-draft): the host copy is read no more
+            storage.close()
+        hf_model.model.layers = self.streamed
+        self.hf = hf_model  # all on the device, except the decoder layers' weights
+        self.layouts = storage.layouts
+        self.converted_folder, self.quantized = converted, kind  # the ssd tier's copy; int8 / int4
+        self.stats = PassStats(resident_layers=len(self.ring.resident))
+
+    config = property(lambda self: self.hf.config)
+    generation_config = property(lambda self: self.hf.generation_config)
+    device = property(lambda self: self.hf.lm_head.weight.device)
+    dtype = property(lambda self: self.hf.lm_head.weight.dtype)
+    pinned_bytes = property(lambda self: self.ring.ops.pinned_bytes)  # host memory pinned (CUDA)
+    closed = property(lambda self: not self.finalizer.alive)
+    streams = property(lambda self: bool(self.ring.order))  # some layer moves every pass
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, **kwargs):  # (batch, q); as the wrapped model's
+        if self.closed:  # its reader thread and files are gone
+            raise OffloadError("this offloaded model was closed; load it again to use it")
+        started, ops = time.perf_counter(), self.ring.ops
+        self.stats = PassStats(resident_layers=len(self.ring.resident))  # this pass's
+        self.streamed.waits.clear()
+        self.ring.start_pass()
+        try:
+            out = self.hf(input_ids.to(self.device), **kwargs)  # logits (batch, q, vocab)
+        finally:
+            self.streamed.release()  # after an exception, the layer it left bound
+            self.stats.bytes_moved = sum(self.layouts[i].nbytes for i, *_ in self.streamed.waits)
+        # one host wait per pass, not per layer: pass_s then counts the device's work too, and
+        # every event of the pass has passed, so the device's own times can be read
+        ops.host_wait(ops.record("compute"))
+        self.stats.pass_s = time.perf_counter() - started
+        for _, waiting, waited in self.streamed.waits:
+            self.stats.wait_s += ops.seconds(waiting, waited)
+        return out
+
+    close = lambda self: self.finalizer()  # a second call does nothing
+    __exit__ = lambda self, *exc: self.close()
+
+    def __enter__(self) -> Self:
+        return self
 
 
-class Cpu:
-    """Each "stream" is the thread that issues its work (copy and dequant: the reader; compute:
-    the caller), and a thread runs its work in order: an event is done once it is recorded, so
-    it is simply the time it was recorded at, and waits are free."""
+@dataclass
+class PassStats:
+    """What the last forward pass cost (`model.stats`, replaced by every pass)."""
 
-    staging = None  # slots are host memory: a disk read lands in one directly, not via staging
-    queues = False  # copies run when issued, on the issuing thread (the reader's, beside compute)
-    device, pinned_bytes = torch.device("cpu"), 0
-    # wait_event(stream, event), host_wait(event), free_host(buffer), close(): nothing to do
-    wait_event = host_wait = free_host = close = lambda self, *args: None
+    resident_layers: int = 0  # decoder layers on the device for good: never moved
+    bytes_moved: int = 0  # layer bytes that reached the device: the streamed layers'
+    wait_s: float = 0.0  # seconds compute sat waiting for weights, on the device's clock
+    pass_s: float = 0.0  # wall seconds of the whole pass, device work included
 
-    def record(self, stream: str) -> float:
-        return time.perf_counter()
+    gb_per_s = property(lambda self: self.bytes_moved / self.pass_s / 1e9 if self.pass_s else 0.0)
 
-    def seconds(self, start, end) -> float:
-        """From one recorded event to another, on the device's clock (once both have passed)."""
-        return end - start
-
-    def host_buffer(self, nbytes: int) -> torch.Tensor:
-        return page_aligned(nbytes, torch.device("cpu"))
-
-    def device_buffer(self, nbytes: int) -> torch.Tensor:
-        return page_aligned(nbytes, self.device)
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        dst.copy_(src)
-
-    def launch(self, fn, *args, **kwargs):  # compute: here, now
-        return fn(*args, **kwargs)
-
-    convert = launch  # dequantizing, on its own stream after the copies it waits for: here, now
+    def summary(self, n_layers: int) -> str:
+        """One line: the resident layers, and what the pass moved and waited for."""
+        rate = f" ({self.gb_per_s:.2f} GB/s)" if self.bytes_moved > 1e8 else ""
+        return (f"{self.resident_layers} of {n_layers} layers resident; the last target pass moved "
+                f"{self.bytes_moved / 1e6:,.1f} MB in {self.pass_s:.3f}s{rate}, {self.wait_s:.3f}s "
+                "of it waiting for weights")  # fmt: skip
 
 
-class Cuda(Cpu):
-    """A copy stream and a dequant stream beside the compute (current) stream, ordered by events,
-    never the host.
+def bind(layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Point a decoder layer's parameters at these tensors (slot views, or meta to unbind)."""
+    for name, tensor in tensors.items():
+        module, _, leaf = name.rpartition(".")
+        layer.get_submodule(module)._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
 
-    Host memory is page-aligned and registered with cudaHostRegister, pinned byte for byte:
-    `pin_memory=True` would round each block up to a power of two (16 GiB for a 12 GiB model).
-    Written to be right by construction; this module's tests run its ordering on a fake device.
-    """
 
-    staging = (4, 32 * 2**20)  # pinned chunks a disk read passes through: count, bytes each
-    queues = True  # a copy is queued on the copy stream and the host goes on at once
+class StreamedLayers:
+    """Stands in for the Hugging Face model's list of decoder layers: iterating it streams them.
+    The model's own forward (masks, rotary, cache) runs unchanged and loops over
+    `self.layers[: config.num_hidden_layers]`; slicing gives the same stream over fewer layers."""
 
-    def __init__(self, device: torch.device):
-        self.device, self.registered, self.pinned_bytes = device, [], 0
-        self.streams = {name: torch.cuda.Stream(device) for name in ("copy", "dequant")}
+    def __init__(self, layers: nn.ModuleList, ring: "LayerRing"):
+        self.layers, self.ring, self.indices = layers, ring, range(len(layers))
+        # between runs a decoder layer rests on meta tensors: shapes, no bytes
+        self.unbound = [{n: p.data for n, p in layer.named_parameters()} for layer in layers]
+        self.waits = []  # this pass's: (streamed layer, events on compute around its wait)
 
-    def stream(self, name: str) -> torch.cuda.Stream:
-        return self.streams.get(name) or torch.cuda.current_stream(self.device)
+    def __getitem__(self, index: slice) -> "StreamedLayers":
+        streamed = copy.copy(self)  # shares the layers, the ring and this pass's waits
+        streamed.indices = self.indices[index]
+        return streamed
 
-    def host_buffer(self, nbytes: int) -> torch.Tensor:
-        buffer = page_aligned(nbytes, torch.device("cpu"))  # (nbytes,)
-        if int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)) != 0:
-            raise OffloadError(f"cannot pin {nbytes / 1e9:.2f} GB of host memory for {self.device}")
-        self.registered.append(buffer)
-        self.pinned_bytes += nbytes
-        return buffer
+    def __iter__(self):
+        ring = self.ring
+        for i in self.indices:
+            if i not in ring.resident:  # a resident layer is bound to a buffer of its own for good
+                # prefetch next: the streamed layer `lookahead` on takes the slot released last;
+                # near the end, the next pass's first layers (they load during the LM head)
+                ring.prefetch(ring.after[i])
 
-    def free_host(self, buffer: torch.Tensor) -> None:
-        """Unpin a host buffer, once no copy queued so far can still be reading it."""
-        self.streams["copy"].synchronize()
-        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
-        self.registered = [kept for kept in self.registered if kept is not buffer]
-        self.pinned_bytes -= buffer.numel()
+                # wait for this one: the reader has issued it and compute waits for it to land;
+                # events on the compute stream around that wait time it as the device sees it
+                waiting = ring.ops.record("compute")
+                slot = ring.wait(i)
+                self.waits.append((i, waiting, ring.ops.record("compute")))
+                # bound in the compute stream's order: a device that queues a whole pass ahead
+                # runs each layer on what was bound when its kernels were queued
+                ring.ops.launch(bind, self.layers[i], ring.storage.views(i, slot))
 
-    def device_buffer(self, nbytes: int) -> torch.Tensor:
-        buffer = page_aligned(nbytes, self.device)  # (nbytes,)
-        for stream in self.streams.values():  # freed, the caching allocator hands this memory
-            buffer.record_stream(stream)  # out again only once their work queued by then has run
-        return buffer
+            # compute: the Hugging Face decoder layer as it is, called by the model's forward
+            yield partial(ring.ops.launch, self.layers[i])
 
-    def record(self, stream: str) -> torch.cuda.Event:
-        event = torch.cuda.Event(enable_timing=True)  # new per record: never waited unrecorded
-        event.record(self.stream(stream))
-        return event
+            # release: back to meta, so only the ring holds weights and the slot may be refilled
+            self.release()  # (a resident layer holds no slot: nothing to do)
 
-    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
-        return start.elapsed_time(end) / 1e3
+    def release(self) -> None:
+        """Unbind the layer in use, if any; also what an exception mid-pass leaves behind."""
+        if self.ring.in_use is not None:
+            layer = self.ring.in_use.layer
+            self.ring.ops.launch(bind, self.layers[layer], self.unbound[layer])
+            self.ring.release()
 
-    def wait_event(self, stream: str, event: torch.cuda.Event) -> None:
-        self.stream(stream).wait_event(event)  # on the device; the host goes on
 
-    def host_wait(self, event: torch.cuda.Event) -> None:
-        event.synchronize()
+# ---- loading: from a model folder to storage, ring and model ----
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with torch.cuda.stream(self.streams["copy"]):
-            dst.copy_(src, non_blocking=True)
 
-    def convert(self, fn, *args) -> None:
-        with torch.cuda.stream(self.streams["dequant"]):
-            fn(*args)
+def from_pretrained(
+    name_or_path: "str | os.PathLike | models.Opened", *, mode: str = "ram",
+    device: "str | torch.device | Cpu | None" = None, dtype: torch.dtype | str | None = None,
+    offload_dir: str | os.PathLike | None = None, buffers: int = 2, quantize: str | None = None,
+    device_memory: float | None = None, context: int | None = None,
+) -> OffloadedCausalLM:  # fmt: skip
+    """An offloaded causal LM from a model folder, a hub id or a models.Opened (decoder layers at
+    `model.layers`); every error an OffloadError with a one-line message. mode "ram": every layer
+    in one host arena; "ssd": layers read from safetensors every pass (the checkpoint's own files
+    when their dtype fits, else a per-layer copy made in offload_dir, announced on stderr and named
+    by `model.converted_folder`). device None: cuda if available, else cpu (or a `Cpu`/`Cuda`-like
+    object). dtype None: the checkpoint's ("float16", "torch.bfloat16" read as dtypes). quantize
+    "int8" / "int4": linear weights stored and moved quantized. device_memory: bytes the model may
+    hold on the device, activations aside (None: stream every layer); beside the head, a KV cache
+    of `context` tokens (None: max positions) and the ring, as many layers as fit stay resident."""
+    if mode not in ("ram", "ssd"):
+        raise OffloadError(f"mode must be 'ram' or 'ssd', not {mode!r}")
+    if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 1:
+        raise OffloadError(f"buffers must be an integer of at least 1, not {buffers!r}")
+    if quantize not in (None, *quant.KINDS):
+        raise OffloadError(f"quantize must be None, 'int8' or 'int4', not {quantize!r}")
+    number = isinstance(device_memory, numbers.Real) and not isinstance(device_memory, bool)
+    if device_memory is not None and not (number and device_memory >= 0):  # NaN fails too
+        raise OffloadError(f"device_memory must be a number of bytes, not {device_memory!r}")
+    whole = isinstance(context, numbers.Integral) and not isinstance(context, bool)
+    if context is not None and not (whole and context > 0):
+        raise OffloadError(f"context must be a positive number of tokens, not {context!r}")
+    ops = device  # the device's operations: Cpu, Cuda, or a test's fake
+    if not isinstance(device, Cpu):
+        device = models.as_device(device)
+        ops = Cuda(device) if device.type == "cuda" else Cpu()
+    opened = models.open_model(name_or_path)  # refused here iff in memory too
+    ckpt, n_layers = opened.checkpoint, opened.config.num_hidden_layers
+    dtype = models.as_dtype(dtype) or ckpt.dtype
+    models.check_dtype_runs(ops.device, dtype)
+    hf = opened.skeleton(dtype)  # on meta: only the parts that stay on the device get bytes
+    shapes = ckpt.check_layers(hf, quantize)  # what each decoder layer holds, the same for all
+    sizes = slot_sizes(ckpt, shapes, n_layers, dtype, quantize, mode == "ssd" and not ops.staging)
+    n_resident = 0
+    if device_memory is not None:  # refused or met before anything is read, pinned or converted
+        n_resident = count_resident(hf, dtype, device_memory, context, buffers, sizes)
+    models.load_weights(opened, hf, ops.device, dtype, layers=False)
+
+    with contextlib.ExitStack() as undo:  # failing from here on, give back what was taken
+        undo.callback(ops.close)
+        if mode == "ram":  # every layer into one arena: the big read
+            stored, converted = pack(quant.stored_layer(shapes, dtype, quantize)), None
+            storage = RamStorage(stored, n_layers, ops)
+            undo.callback(storage.close)
+            storage.fill(ckpt, shapes, dtype, quantize)
+        else:  # the checkpoint's own files where they fit, else a converted copy
+            where, converted = files.ssd_layers(
+                ckpt, shapes, n_layers, dtype, quantize, offload_dir
+            )
+            storage = SsdStorage(where, ops)
+            undo.callback(storage.close)
+        assert max(layout.nbytes for layout in storage.layouts) <= sizes.moved, "outgrows a slot"
+        if quantize is not None:  # a slot also holds the layer's dequantized weights
+            storage = Dequantizing(storage, shapes, dtype, quantize, sizes)
+        model = OffloadedCausalLM(hf, storage, sizes, buffers, ops, n_resident, converted, quantize)
+        undo.pop_all()  # the model's own now: its close() or finalizer gives them back
+    return model
+
+
+# Bytes on the device: what a load moves into a slot, a ring slot, a resident layer's buffer
+SlotSizes = namedtuple("SlotSizes", "moved slot resident")
+
+
+def slot_sizes(ckpt, shapes: dict, n_layers: int, dtype, kind, straight: bool) -> SlotSizes:
+    """A layer's bytes on the device, from the config and the headers alone: one sizing for the
+    budget and the storages. `straight`: ssd reads land in the slot as their files lay them out."""
+    stored = quant.stored_layer(shapes, dtype, kind)  # meta: what storage holds of a layer
+    moved = pack(stored).nbytes  # ram, or ssd through staging: the tensors as pack lays them
+    if straight:  # a copy is one file, its tensors end to end after a header in the first page
+        moved = round_up(sum(t.nbytes for t in stored.values())) + PAGE
+        in_place = [{n: ckpt.entries.get(f"model.layers.{i}.{n}") for n in shapes}
+                    for i in range(n_layers)]  # fmt: skip
+        if kind is None and all(e for layer in in_place for e in layer.values()):
+            moved = max([moved, *(plan_reads(layer)[0].nbytes for layer in in_place)])
+    if kind is None:
+        return SlotSizes(moved, moved, moved)
+    weights, plain = dequantized_layouts(shapes, dtype)
+    return SlotSizes(moved, moved + weights.nbytes, plain.nbytes)
+
+
+def count_resident(hf, dtype, device_memory, context, buffers, sizes: SlotSizes) -> int:
+    """The most k layers whose buffers, with the ring's min(buffers, n - k) slots, fit in
+    `device_memory` beside the parts outside the decoder layers and a KV cache of `context`."""
+    config, n_layers = hf.config, hf.config.num_hidden_layers
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    positions = context or config.max_position_embeddings  # the KV cache's
+    fixed = 2 * n_layers * heads * head_dim * dtype.itemsize * positions
+    fixed += sum(p.nbytes for n, p in hf.named_parameters() if not n.startswith("model.layers."))
+    fits = [k for k in range(n_layers + 1) if fixed + k * sizes.resident
+            + min(buffers, n_layers - k) * sizes.slot <= device_memory]  # fmt: skip
+    if not fits:
+        raise OffloadError(f"device_memory {device_memory / 1e9:.3f} GB: the head and {positions}"
+                           f" positions of KV cache take {fixed / 1e9:.3f} GB, leaving too little"
+                           f" for {buffers} slots")  # fmt: skip
+    return max(fits)
+
+
+def self_draft(target, kind: str, **options) -> OffloadedCausalLM:
+    """The target's own int8 or int4 copy as SpecExec's draft (SubSpec, 2025): the same tokenizer
+    by construction, no second checkpoint, every layer resident; `options` as from_pretrained's.
+    Its weights are held dequantized (no int8 / int4 kernels here): it computes exactly the
+    quantized model, but holds the full model's bytes on the device, not a quarter of them."""
+    if kind not in quant.KINDS:
+        raise OffloadError(f"a self-draft is 'int8' or 'int4', not {kind!r}")
+    return from_pretrained(target, mode="ram", quantize=kind, device_memory=math.inf, **options)
+
+
+# ---- the ring: what is on the device right now ----
+
+
+Load = namedtuple("Load", "layer slot issued")  # issued: a future of its "ready" event
+
+
+class LayerRing:
+    """`buffers` device slots, filled by one reader thread in the order the layers will run, and
+    the resident layers' buffers. Slots go round-robin, so a new load takes the slot of the layer
+    released last: at most `buffers` streamed layers are in flight, landed or running at once."""
+
+    def __init__(self, storage, sizes, buffers: int, n_layers: int, n_resident: int, ops):
+        self.storage, self.sizes, self.ops = storage, sizes, ops
+        # resident layers spread evenly through the pass: while one computes, the next streamed
+        # layer keeps loading, where a block of them would leave the stream idle that long
+        spread = [(j + 1) * n_layers // n_resident - 1 for j in range(n_resident)]
+        self.resident = {i: ops.device_buffer(sizes.resident) for i in spread}  # (resident,)
+        self.order = [i for i in range(n_layers) if i not in self.resident]  # the streamed layers
+        self.slots = [ops.device_buffer(sizes.slot) for _ in self.order[:buffers]]  # (slot,)
+        self.freed = [None] * len(self.slots)  # each slot's last release, an event on compute
+        ahead = self.lookahead = max(0, len(self.slots) - 1)  # layers loading while one computes
+        # prefetched as each streamed layer starts: the one `lookahead` on (past the end: wrapped)
+        self.after = dict(zip(self.order, self.order[ahead:] + self.order[:ahead]))
+        self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-reader")
+        self.queue: deque[Load] = deque()  # in the order they will be used; not yet handed out
+        self.in_use, self.next_slot = None, 0  # in_use: a Load handed out by wait(), not released
+
+    def start_pass(self) -> None:
+        """Keep what the last pass prefetched for its first layers, drop an interrupted pass's."""
+        if self.queue and self.queue[0].layer != self.order[0]:
+            self.drain()
+        for layer in self.order[: self.lookahead]:
+            self.prefetch(layer)
+
+    def prefetch(self, layer: int) -> None:
+        if any(load.layer == layer for load in self.queue):
+            return
+        assert len(self.queue) + (self.in_use is not None) < len(self.slots), "the ring is full"
+        slot, self.next_slot = self.next_slot, (self.next_slot + 1) % len(self.slots)
+        issue = partial(self._load, layer, slot, self.freed[slot])
+        if self.ops.queues and not self.storage.reads_ssd:
+            # RAM to a GPU: the copy is only queued, so it is issued here. On the reader thread
+            # it would wait for the interpreter while this thread queues kernels (on an H100 the
+            # copy engine then idled a third of a pass: docs/results.md, "On a GPU")
+            issued = concurrent.futures.Future()
+            issued.set_result(issue())
+        else:  # ssd reads, or copies that run as issued: on the reader thread, beside compute
+            issued = self.reader.submit(issue)
+        self.queue.append(Load(layer, slot, issued))
+
+    def _load(self, layer: int, slot: int, freed):
+        """Issues the copy stream's work for one layer into its slot (see prefetch: where)."""
+        if freed is not None:  # the slot's last occupant has run: only then overwrite it
+            self.ops.wait_event("copy", freed)
+        return self.storage.load(layer, self.slots[slot], self.ops)
+
+    def wait(self, layer: int) -> torch.Tensor:
+        """Compute waits (on the device) until `layer` has landed in the slot returned. The host
+        first waits for the reader to have issued the load: an event is waited on once recorded."""
+        load = self.queue.popleft()
+        assert load.layer == layer, f"the ring holds layer {load.layer} next, not {layer}"
+        self.ops.wait_event("compute", load.issued.result())
+        self.in_use = load
+        return self.slots[load.slot]
+
+    def release(self) -> None:
+        """The slot may be refilled once the compute queued so far has run (an exception too)."""
+        if self.in_use is not None:
+            self.freed[self.in_use.slot] = self.ops.record("compute")
+            self.in_use = None
+
+    def drain(self) -> None:
+        """Let loads in flight finish and forget them: the next pass starts cold."""
+        concurrent.futures.wait([load.issued for load in self.queue])
+        self.queue.clear()
 
     def close(self) -> None:
-        for buffer in list(self.registered):  # what a storage left pinned (normally nothing)
-            self.free_host(buffer)
-        for stream in self.streams.values():
-            stream.synchronize()  # nothing of ours still runs once the model is gone
+        """Given back in order: loads issued, the host memory they read, the streams; then slots."""
+        self.drain()
+        self.reader.shutdown()
+        self.storage.close()
+        self.ops.close()
 
 
 # ---- storage: where each layer's bytes live, and how they reach a slot ----
 
 
-class TensorSpec(NamedTuple):
-    offset: int  # bytes from the start of the layer buffer
-    dtype: torch.dtype
-    shape: tuple[int, ...]
+TensorSpec = namedtuple("TensorSpec", "offset dtype shape")  # offset: bytes into a layer buffer
 
 
-@dataclass(frozen=True)
-class Layout:
+class Layout(NamedTuple):
     """How one layer's tensors sit in its flat byte buffer."""
 
     tensors: dict[str, TensorSpec]  # name inside the layer, e.g. "self_attn.q_proj.weight"
@@ -191,11 +406,8 @@ class Layout:
 
     def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed, shaped views of a flat uint8 buffer; no copy."""
-        out = {}
-        for name, (offset, dtype, shape) in self.tensors.items():
-            nbytes = torch.Size(shape).numel() * dtype.itemsize
-            out[name] = buffer[offset : offset + nbytes].view(dtype).view(shape)
-        return out
+        return {name: buffer[at : at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                for name, (at, dtype, shape) in self.tensors.items()}  # fmt: skip
 
 
 def pack(tensors: dict) -> Layout:
@@ -203,38 +415,27 @@ def pack(tensors: dict) -> Layout:
     specs, offset = {}, 0
     for name, tensor in tensors.items():
         specs[name] = TensorSpec(offset, tensor.dtype, tuple(tensor.shape))
-        offset += round_up(torch.Size(tensor.shape).numel() * tensor.dtype.itemsize)
+        offset += round_up(math.prod(tensor.shape) * tensor.dtype.itemsize)
     return Layout(specs, offset)
 
 
-def round_up(nbytes: int) -> int:
-    return -(-nbytes // PAGE) * PAGE
+round_up = lambda nbytes: -(-nbytes // PAGE) * PAGE  # to whole pages
 
 
 class Storage:
-    """Where layers' bytes live. `layouts[i]`: what a load of layer i moves into a slot.
-
-    `load` queues a layer's way into a slot and returns the event compute waits for; `keep`
-    does it once for a resident layer, into a buffer of `kept_nbytes` that it binds for good.
-    """
+    """Where layers' bytes live. `layouts[i]`: what a load of layer i moves into a slot. `load`
+    queues a layer's way into a slot and returns the event compute waits for; `load_resident`
+    does it once for a resident layer, into a buffer it binds for good."""
 
     layouts: list[Layout]
-    reads_disk = False  # whether a load blocks the host on the disk
+    reads_ssd = False  # whether a load blocks the host on the SSD
 
-    def slot_nbytes(self) -> int:
-        return max(layout.nbytes for layout in self.layouts)
-
-    def views(self, layer: int, slot: torch.Tensor) -> dict[str, torch.Tensor]:
-        """What the decoder layer binds once `slot` holds it: its parameters."""
+    def views(self, layer: int, slot: torch.Tensor) -> dict[str, torch.Tensor]:  # its parameters
         return self.layouts[layer].views(slot)
 
-    kept_nbytes, kept_views = slot_nbytes, views  # a resident layer's buffer is a slot
-
-    def keep(self, layer: int, buffer: torch.Tensor, ops):
-        return self.load(layer, buffer, ops)
-
-    def close(self) -> None:
-        pass
+    resident_views = views  # a resident layer's buffer is a slot
+    load_resident = lambda self, layer, buffer, ops: self.load(layer, buffer, ops)
+    close = lambda self: None  # nothing held
 
 
 class RamStorage(Storage):
@@ -265,10 +466,7 @@ class RamStorage(Storage):
 
 @dataclass
 class Read:
-    """One pread of `path` from `file_offset` into the layer buffer at `buffer_offset`.
-
-    `nbytes` must arrive; the read asks for whole pages (round_up(nbytes)), as O_DIRECT wants.
-    """
+    """One pread: `nbytes` of `path` from `file_offset` (whole pages asked) to `buffer_offset`."""
 
     path: Path
     file_offset: int
@@ -277,12 +475,9 @@ class Read:
 
 
 def plan_reads(entries: dict[str, files.Entry]) -> tuple[Layout, list[Read]]:
-    """Merge one layer's tensors into page-aligned ranges of their files: one read per range.
-
-    Hugging Face checkpoints store tensors sorted by name, so a layer is usually one range per
-    file. A range keeps the file's byte layout, so a tensor sits in the buffer where it sat in
-    the file, shifted by where its range landed.
-    """
+    """Merge one layer's tensors into page-aligned ranges of their files, one read per range (a
+    layer is usually one range per file): a tensor sits in the buffer where it sat in its file,
+    shifted by where its range landed."""
     tensors, reads = {}, []
     for name, entry in sorted(entries.items(), key=lambda item: (str(item[1].path), item[1].start)):
         last = reads[-1] if reads else None
@@ -297,28 +492,23 @@ def plan_reads(entries: dict[str, files.Entry]) -> tuple[Layout, list[Read]]:
     return Layout(tensors, reads[-1].buffer_offset + round_up(reads[-1].nbytes)), reads
 
 
-class DiskStorage(Storage):
+class SsdStorage(Storage):
     """Layers stay in safetensors files; a layer is a few preads, two in flight (an SSD serves a
-    queue faster than one read), straight into the slot or through staging.
-
-    Where the device cannot read host memory, reads land in a few pinned staging chunks, copied on
-    tensor by tensor to where `pack` puts each, so disk and copy engine overlap; chunk k is read
-    into again only after its last copy finished, the one wait that blocks the host. Read straight
-    into host memory (O_DIRECT: whole pages), tensors keep their file's alignment (CPUs don't mind).
-    """
+    queue faster than one read). Where the device cannot read host memory, reads land in pinned
+    staging chunks, copied on tensor by tensor to where `pack` puts each, so SSD and copy engine
+    overlap; chunk k is read into again once its last copy finished, the one wait that blocks the
+    host. Read straight in (O_DIRECT), tensors keep their file's alignment (CPUs don't mind)."""
 
     piece_nbytes = 32 * 2**20  # the most one pread asks for (through staging: a chunk)
-    reads_disk = True
+    reads_ssd = True
 
-    def __init__(self, layers: list[dict[str, files.Entry]], ops, nbytes: int | None = None):
+    def __init__(self, layers: list[dict[str, files.Entry]], ops):
         self.layouts, self.reads = zip(*(plan_reads(entries) for entries in layers), strict=True)
         self.entries = layers  # name -> where in its file, per layer
         if ops.staging:  # copied on from staging: each tensor where `pack` puts it
             self.layouts = [pack(entries) for entries in layers]
-        self.nbytes = nbytes or super().slot_nbytes()  # a slot as planned, before the files were
-        assert super().slot_nbytes() <= self.nbytes, "a layer's reads outgrow the planned slot"
         self.ops, self.fds, self.chunks = ops, {}, []  # what close() gives back, however far
-        self.pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="offload-disk")
+        self.pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="offload-ssd")
         try:  # __init__ got before failing
             for path in {read.path for reads in self.reads for read in reads}:
                 self.fds[path] = files.open_direct(path)
@@ -328,11 +518,7 @@ class DiskStorage(Storage):
         except BaseException:
             self.close()
             raise
-        self.copied = [None] * count  # each chunk's last copy, as an event on the copy stream
-        self.next = 0  # the chunk the next read lands in
-
-    def slot_nbytes(self) -> int:
-        return self.nbytes
+        self.copied, self.next = [None] * count, 0  # each chunk's last copy; the next read's chunk
 
     def load(self, layer: int, slot: torch.Tensor, ops):
         """Read a layer into `slot` (page-aligned): straight in, or chunk by chunk via staging."""
@@ -342,7 +528,7 @@ class DiskStorage(Storage):
         reading = deque()  # (piece, its staging chunk k or None, its pread), oldest first
         try:
             for piece in pieces:
-                k = None  # no staging chunk: the disk writes straight into the slot
+                k = None  # no staging chunk: the SSD writes straight into the slot
                 if self.chunks:  # the device reads no host memory: through staging chunk k
                     if len(reading) == min(2, len(self.chunks)):  # the oldest read's chunk goes on
                         self.copy_on(layer, slot, *reading.popleft(), ops)
@@ -381,457 +567,133 @@ class DiskStorage(Storage):
         self.fds, self.chunks = {}, []
 
 
+def dequantized_layouts(shapes: dict, dtype: torch.dtype) -> tuple[Layout, Layout]:
+    """A quantized layer's linear weights in the compute dtype (a slot's, after the moved bytes),
+    and the whole layer as compute reads it (a resident layer's buffer)."""
+    plain = quant.stored_layer(shapes, dtype, None)  # meta tensors in the compute dtype
+    return pack({n: w for n, w in plain.items() if quant.is_weight(n)}), pack(plain)
+
+
 class Dequantizing(Storage):
-    """Quantized layers (quantize.py), kept by the ram or ssd storage it wraps.
+    """Quantized layers (quantize.py) in the ram or ssd storage it wraps. A slot holds the bytes
+    that moved (`layouts`), then the weights dequantized from them on a stream of its own (the
+    copy stream goes on meanwhile; "ready" is the dequantizing's). Resident: what compute reads."""
 
-    A slot holds the bytes that moved (`layouts`, what PassStats counts), then, from `start`, the
-    compute-dtype weights they are dequantized into on a stream of its own: the copy stream goes
-    on with the next layer meanwhile, and the layer's "ready" event is the dequantizing's. Norms
-    and biases move as they are. A resident layer keeps only what compute reads (`plain`).
-    """
-
-    def __init__(self, storage: Storage, shapes: dict, dtype: torch.dtype, kind: str):
+    def __init__(self, storage: Storage, shapes: dict, dtype, kind: str, sizes: SlotSizes):
         self.storage, self.layouts, self.kind = storage, storage.layouts, kind
-        self.reads_disk = storage.reads_disk
-        self.start = storage.slot_nbytes()  # a whole number of pages
-        plain = quant.stored_layer(shapes, dtype, None)  # meta tensors in the compute dtype
-        self.weights = pack({n: w for n, w in plain.items() if quant.is_weight(n)})
-        self.plain = pack(plain)  # the layer as the in-memory model holds it
-
-    def slot_nbytes(self) -> int:
-        return self.start + self.weights.nbytes
+        self.reads_ssd, self.sizes = storage.reads_ssd, sizes
+        self.weights, self.plain = dequantized_layouts(shapes, dtype)
 
     def load(self, layer: int, slot: torch.Tensor, ops):
-        moved = self.storage.load(layer, slot, ops)
-        ops.wait_event("dequant", moved)
-        weights = self.weights.views(slot[self.start :])
+        ops.wait_event("dequant", self.storage.load(layer, slot, ops))  # once the bytes moved
+        weights = self.weights.views(slot[self.sizes.moved :])
         ops.convert(quant.dequantize_layer, self.layouts[layer].views(slot), weights, self.kind)
         return ops.record("dequant")
 
-    def kept_nbytes(self) -> int:
-        return self.plain.nbytes
+    resident_views = lambda self, layer, buffer: self.plain.views(buffer)
 
-    def kept_views(self, layer: int, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-        return self.plain.views(buffer)
-
-    def keep(self, layer: int, buffer: torch.Tensor, ops):
-        """Through a slot of its own, then only what compute reads into `buffer` (device to
-        device); the slot goes once those copies have run."""
-        slot = ops.device_buffer(self.slot_nbytes())  # (slot,)
+    def load_resident(self, layer: int, buffer: torch.Tensor, ops):
+        """Through a slot of its own, then what compute reads into `buffer`; the slot goes after."""
+        slot = ops.device_buffer(self.sizes.slot)  # (slot,)
         ops.wait_event("copy", self.load(layer, slot, ops))
-        kept = self.plain.views(buffer)
+        resident = self.resident_views(layer, buffer)
         for name, tensor in self.views(layer, slot).items():
-            ops.copy(kept[name], tensor)
+            ops.copy(resident[name], tensor)
         ops.host_wait(ops.record("copy"))
         return ops.record("copy")
 
     def views(self, layer: int, slot: torch.Tensor) -> dict[str, torch.Tensor]:
         """The decoder layer's parameters: norms and biases as moved, weights dequantized."""
         moved = super().views(layer, slot)
-        kept = {name: t for name, t in moved.items() if not name.endswith((".q", ".scale"))}
-        return kept | self.weights.views(slot[self.start :])
+        as_moved = {name: t for name, t in moved.items() if not name.endswith((".q", ".scale"))}
+        return as_moved | self.weights.views(slot[self.sizes.moved :])
 
     def close(self) -> None:
         self.storage.close()
 
 
-# ---- the ring: what is on the device right now ----
+# ---- the device: what the ring asks of it (buffers, copies, events), on CUDA or the CPU ----
 
 
-# A layer on its way: its slot, and a future whose result is (started, ready): events that mark
-# the load's start on the copy stream and its end, set once the reader has issued all its work.
-Load = namedtuple("Load", "layer slot issued")
+def page_aligned(nbytes: int, device: torch.device) -> torch.Tensor:
+    """(nbytes,) uint8 starting on a page boundary, where an O_DIRECT read may land."""
+    raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, device=device)
+    skip = -raw.data_ptr() % PAGE
+    return raw[skip : skip + nbytes]
 
 
-class LayerRing:
-    """`buffers` device slots, filled by one reader thread in the order the layers will run; and
-    the resident layers, each loaded once into a buffer of its own and never moved again.
+class Cpu:
+    """Each "stream" is the thread that issues its work (copy and dequant: the reader; compute: the
+    caller), run in order: an event is done once recorded, the time it was, and waits are free."""
 
-    Slots are handed out round-robin, so a new load always takes the slot of the layer released
-    last. At most `buffers` streamed layers are alive at once: in flight, landed, or computing.
-    """
+    staging = None  # slots are host memory: an ssd read lands in one directly, not via staging
+    queues = False  # copies run when issued, on the issuing thread (the reader's, beside compute)
+    device, pinned_bytes = torch.device("cpu"), 0
+    # wait_event(stream, event), host_wait(event), free_host(buffer), close(): nothing to do
+    wait_event = host_wait = free_host = close = lambda self, *args: None
+    record = lambda self, stream: time.perf_counter()  # an event: when it was recorded
+    seconds = lambda self, start, end: end - start  # between two events, once both have passed
+    host_buffer = device_buffer = lambda self, nbytes: page_aligned(nbytes, torch.device("cpu"))
+    copy = lambda self, dst, src: dst.copy_(src)
+    # compute, and dequantizing (on its own stream after the copies it waits for): here, now
+    launch = convert = lambda self, fn, *args, **kwargs: fn(*args, **kwargs)
 
-    def __init__(self, storage, buffers: int, n_layers: int, n_resident: int, ops):
-        self.storage, self.ops = storage, ops
-        # resident layers spread evenly through the pass: while one computes, the next streamed
-        # layer keeps loading, where a block of them would leave the stream idle that long
-        resident = [(j + 1) * n_layers // n_resident - 1 for j in range(n_resident)]
-        self.kept = {i: ops.device_buffer(storage.kept_nbytes()) for i in resident}  # (kept,)
-        self.order = [i for i in range(n_layers) if i not in self.kept]  # the streamed layers
-        self.slots = [ops.device_buffer(storage.slot_nbytes()) for _ in self.order[:buffers]]
-        self.freed = [None] * len(self.slots)  # each slot's last release, an event on compute
-        self.lookahead = max(0, len(self.slots) - 1)  # layers loading while one computes
-        # what to prefetch as each streamed layer starts: the streamed layer `lookahead` further on,
-        # past the pass's end into the next pass's first ones
-        self.after = dict(
-            zip(self.order, self.order[self.lookahead :] + self.order[: self.lookahead])
-        )
-        self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-reader")
-        self.queue: deque[Load] = deque()  # in the order they will be used; not yet handed out
-        self.in_use: Load | None = None  # handed out by wait() and not yet released
-        self.next_slot = 0
 
-    def start_pass(self) -> None:
-        """Keep what the last pass prefetched for its first layers, drop an interrupted pass's."""
-        if self.queue and self.queue[0].layer != self.order[0]:
-            self.drain()
-        for layer in self.order[: self.lookahead]:
-            self.prefetch(layer)
+class Cuda(Cpu):
+    """A copy stream and a dequant stream beside the compute (current) stream, ordered by events,
+    never the host. Host memory is page-aligned and registered with cudaHostRegister, pinned byte
+    for byte (`pin_memory=True` rounds up to a power of two: 16 GiB for a 12 GiB model). Right by
+    construction; the tests run its ordering on a fake device."""
 
-    def prefetch(self, layer: int) -> None:
-        if any(load.layer == layer for load in self.queue):
-            return
-        assert len(self.queue) + (self.in_use is not None) < len(self.slots), "the ring is full"
-        slot, self.next_slot = self.next_slot, (self.next_slot + 1) % len(self.slots)
-        issue = partial(self._load, layer, slot, self.freed[slot])
-        if self.ops.queues and not self.storage.reads_disk:
-            # RAM to a GPU: the copy is only queued, so it is issued here. On the reader thread
-            # it would wait for the interpreter while this thread queues kernels (on an H100 the
-            # copy engine then idled a third of a pass: docs/results.md, "On a GPU")
-            issued = concurrent.futures.Future()
-            issued.set_result(issue())
-        else:  # disk reads, or copies that run as issued: on the reader thread, beside compute
-            issued = self.reader.submit(issue)
-        self.queue.append(Load(layer, slot, issued))
+    staging = (4, 32 * 2**20)  # pinned chunks an ssd read passes through: count, bytes each
+    queues = True  # a copy is queued on the copy stream and the host goes on at once
 
-    def _load(self, layer: int, slot: int, freed) -> tuple[object, object]:
-        """Issues the copy stream's work for one layer into its slot (see prefetch: where)."""
-        if freed is not None:  # the slot's last occupant has run: only then overwrite it
-            self.ops.wait_event("copy", freed)
-        started = self.ops.record("copy")
-        return started, self.storage.load(layer, self.slots[slot], self.ops)
+    def __init__(self, device: torch.device):
+        self.device, self.registered, self.pinned_bytes = device, [], 0
+        self.streams = {name: torch.cuda.Stream(device) for name in ("copy", "dequant")}
 
-    def wait(self, layer: int) -> tuple[torch.Tensor, tuple]:
-        """Compute waits (on the device) until `layer` has landed; its slot, (started, ready).
+    stream = lambda self, name: self.streams.get(name) or torch.cuda.current_stream(self.device)
 
-        The host first waits for the reader to have issued the load: an event is waited on only
-        once it has been recorded.
-        """
-        load = self.queue.popleft()
-        assert load.layer == layer, f"the ring holds layer {load.layer} next, not {layer}"
-        started, ready = load.issued.result()
-        self.ops.wait_event("compute", ready)
-        self.in_use = load
-        return self.slots[load.slot], (started, ready)
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        buffer = page_aligned(nbytes, torch.device("cpu"))  # (nbytes,)
+        if int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), nbytes, 0)) != 0:
+            raise OffloadError(f"cannot pin {nbytes / 1e9:.2f} GB of host memory for {self.device}")
+        self.registered.append(buffer)
+        self.pinned_bytes += nbytes
+        return buffer
 
-    def release(self) -> None:
-        """The slot may be refilled once the compute queued so far has run (an exception too)."""
-        if self.in_use is not None:
-            self.freed[self.in_use.slot] = self.ops.record("compute")
-            self.in_use = None
+    def free_host(self, buffer: torch.Tensor) -> None:
+        """Unpin a host buffer, once no copy queued so far can still be reading it."""
+        self.streams["copy"].synchronize()
+        torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+        self.registered = [pinned for pinned in self.registered if pinned is not buffer]
+        self.pinned_bytes -= buffer.numel()
 
-    def drain(self) -> None:
-        """Let loads in flight finish and forget them: the next pass starts cold."""
-        concurrent.futures.wait([load.issued for load in self.queue])
-        self.queue.clear()
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        buffer = page_aligned(nbytes, self.device)  # (nbytes,)
+        for stream in self.streams.values():  # freed, the caching allocator hands this memory
+            buffer.record_stream(stream)  # out again only once their work queued by then has run
+        return buffer
+
+    def record(self, stream: str) -> torch.cuda.Event:
+        event = torch.cuda.Event(enable_timing=True)  # new per record: never waited unrecorded
+        event.record(self.stream(stream))
+        return event
+
+    seconds = lambda self, start, end: start.elapsed_time(end) / 1e3
+    wait_event = lambda self, stream, event: self.stream(stream).wait_event(event)  # host goes on
+    host_wait = lambda self, event: event.synchronize()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self.streams["copy"]):
+            dst.copy_(src, non_blocking=True)
+
+    def convert(self, fn, *args) -> None:
+        with torch.cuda.stream(self.streams["dequant"]):
+            fn(*args)
 
     def close(self) -> None:
-        """Everything given back, in order: loads issued, then the host memory they read (once
-        their copies ran), then the streams; the slots go after, with the ring."""
-        self.drain()
-        self.reader.shutdown()
-        self.storage.close()
-        self.ops.close()
-
-
-# ---- the model: the Hugging Face model, its decoder layers streamed from the ring ----
-
-
-@dataclass
-class PassStats:
-    """What the last forward pass cost (`model.stats`, replaced by every pass)."""
-
-    resident_layers: int = 0  # decoder layers on the device for good: never moved
-    bytes_moved: int = 0  # layer bytes that reached the device: the streamed layers'
-    load_s: float = 0.0  # seconds from each load's start to its layer ready, on the device's
-    wait_s: float = 0.0  # seconds compute sat waiting for weights, on the device's clock
-    pass_s: float = 0.0  # wall seconds of the whole pass, device work included
-    # (CUDA: events on its streams; on the CPU the host's clock, where the work runs)
-
-    @property
-    def compute_s(self) -> float:  # everything that was not waiting
-        return self.pass_s - self.wait_s
-
-    @property
-    def gb_per_s(self) -> float:
-        return self.bytes_moved / self.pass_s / 1e9 if self.pass_s else 0.0
-
-    def summary(self, n_layers: int) -> str:
-        """One line: the layers kept, and what the pass moved and waited for."""
-        rate = f" ({self.gb_per_s:.2f} GB/s)" if self.bytes_moved > 1e8 else ""
-        return (
-            f"{self.resident_layers} of {n_layers} layers resident; the last target pass moved "
-            f"{self.bytes_moved / 1e6:,.1f} MB in {self.pass_s:.3f}s{rate}, {self.wait_s:.3f}s "
-            "of it waiting for weights"
-        )
-
-
-def bind(layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
-    """Point a decoder layer's parameters at these tensors (slot views, or meta to unbind)."""
-    for name, tensor in tensors.items():
-        module, _, leaf = name.rpartition(".")
-        layer.get_submodule(module)._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
-
-
-class StreamedLayers:
-    """Stands in for the Hugging Face model's list of decoder layers: iterating it streams them.
-
-    The model's own forward (masks, rotary, cache) runs unchanged and loops over
-    `self.layers[: config.num_hidden_layers]`; slicing gives the same stream over fewer layers.
-    """
-
-    def __init__(self, layers: nn.ModuleList, ring: LayerRing, layouts):
-        self.layers, self.ring, self.layouts = layers, ring, layouts
-        self.indices = range(len(layers))
-        # between runs a decoder layer rests on meta tensors: shapes, no bytes
-        self.unbound = [{n: p.data for n, p in layer.named_parameters()} for layer in layers]
-        self.stats = PassStats()  # of the pass now running
-        self.marks = []  # per streamed layer: (wait started, wait ended, load started, ready)
-
-    def __getitem__(self, index: slice) -> "StreamedLayers":
-        streamed = copy.copy(self)  # shares the layers, the ring and this pass's stats
-        streamed.indices = self.indices[index]
-        return streamed
-
-    def __iter__(self):
-        ring, stats = self.ring, self.stats
-        for i in self.indices:
-            if i not in ring.kept:  # a resident layer is bound to a buffer of its own for good
-                # prefetch next: the streamed layer `lookahead` on takes the slot the last one
-                # released. Near the end this wraps around: the next pass's first layers load
-                # during this pass's LM head.
-                ring.prefetch(ring.after[i])
-
-                # wait for this one: the reader has issued it and compute waits for it to land;
-                # events on the compute stream around that wait time it as the device sees it
-                waiting = ring.ops.record("compute")
-                slot, load = ring.wait(i)
-                self.marks.append((waiting, ring.ops.record("compute"), *load))
-                stats.bytes_moved += self.layouts[i].nbytes
-                # bound in the compute stream's order: a device that queues a whole pass ahead
-                # runs each layer on what was bound when its kernels were queued
-                ring.ops.launch(bind, self.layers[i], ring.storage.views(i, slot))
-
-            # compute: the Hugging Face decoder layer as it is, called by the model's forward
-            yield partial(ring.ops.launch, self.layers[i])
-
-            # release: back to meta, so only the ring holds weights and the slot may be refilled
-            self.release()  # (a resident layer holds no slot: nothing to do)
-
-    def release(self) -> None:
-        """Unbind the layer in use, if any; also what an exception mid-pass leaves behind."""
-        if self.ring.in_use is not None:
-            layer = self.ring.in_use.layer
-            self.ring.ops.launch(bind, self.layers[layer], self.unbound[layer])
-            self.ring.release()
-
-
-class OffloadedCausalLM(nn.Module):
-    """Called like the Hugging Face model it wraps; its decoder layers visit the device in turn."""
-
-    def __init__(self, hf_model: nn.Module, storage, buffers: int, ops, n_resident: int = 0):
-        super().__init__()
-        self.layers = hf_model.model.layers  # their parameters: meta, or views of a slot
-        del hf_model.model.layers  # a module list cannot be replaced by a plain object in place
-        self.ring = LayerRing(storage, buffers, len(self.layers), n_resident, ops)
-        # however the model goes (close, a `with` block, dropped, the interpreter's exit): the
-        # ring's thread, files, pinned memory and streams are given back, once
-        self.finalizer = weakref.finalize(self, self.ring.close)
-        self.streamed = StreamedLayers(self.layers, self.ring, storage.layouts)
-        for i, buffer in self.ring.kept.items():  # resident: loaded and bound once, for good
-            ops.host_wait(storage.keep(i, buffer, ops))  # landed before any compute reads it
-            bind(self.layers[i], storage.kept_views(i, buffer))
-        if not self.ring.order:  # nothing streams (a self-draft): the host copy is read no more
-            storage.close()
-        hf_model.model.layers = self.streamed
-        self.hf = hf_model  # all on the device, except the decoder layers' weights
-        self.layouts = storage.layouts
-        self.converted_folder: Path | None = None  # set by from_pretrained
-        self.quantized: str | None = None  # "int8" / "int4": set by from_pretrained
-        self.stats = PassStats(resident_layers=len(self.ring.kept))
-
-    config = property(lambda self: self.hf.config)
-    generation_config = property(lambda self: self.hf.generation_config)
-    device = property(lambda self: self.hf.lm_head.weight.device)
-    dtype = property(lambda self: self.hf.lm_head.weight.dtype)
-    pinned_bytes = property(lambda self: self.ring.ops.pinned_bytes)  # host memory pinned (CUDA)
-    closed = property(lambda self: not self.finalizer.alive)
-    streams = property(lambda self: bool(self.ring.order))  # some layer moves every pass
-
-    @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, **kwargs):  # (batch, q); as the wrapped model's
-        if self.closed:  # its reader thread and files are gone
-            raise OffloadError("this offloaded model was closed; load it again to use it")
-        started, ops = time.perf_counter(), self.ring.ops
-        # filled in as the pass goes
-        self.stats = self.streamed.stats = PassStats(resident_layers=len(self.ring.kept))
-        self.streamed.marks.clear()
-        self.ring.start_pass()
-        try:
-            out = self.hf(input_ids.to(self.device), **kwargs)  # logits (batch, q, vocab)
-        finally:
-            self.streamed.release()  # after an exception, the layer it left bound
-        # one host wait per pass, not per layer: pass_s then counts the device's work too, and
-        # every event of the pass has passed, so the device's own times can be read
-        ops.host_wait(ops.record("compute"))
-        self.stats.pass_s = time.perf_counter() - started
-        for waiting, waited, loading, ready in self.streamed.marks:
-            self.stats.wait_s += ops.seconds(waiting, waited)
-            self.stats.load_s += ops.seconds(loading, ready)
-        return out
-
-    def close(self) -> None:
-        self.finalizer()  # a second call does nothing
-
-    def converted_copy(self, remove: bool = False) -> str | None:
-        """What became of the ssd tier's converted copy of the checkpoint, in a line for the
-        user (None: the checkpoint was read in place); with remove, the copy is deleted."""
-        folder = self.converted_folder
-        if folder is None or not folder.exists():
-            return None
-        if not remove:
-            size = sum(f.stat().st_size for f in folder.iterdir()) / 1e9
-            return f"a converted copy ({size:.2f} GB) stays in {folder} for the next run"
-        try:
-            shutil.rmtree(folder)
-        except OSError as error:
-            why = f"{error.strerror or error}: {error.filename}"
-            raise OffloadError(f"cannot remove the converted copy {folder} ({why})") from None
-        return f"removed the converted copy {folder}"
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-# ---- loading: from a model folder to storage, ring and model ----
-
-
-def from_pretrained(
-    name_or_path: "str | os.PathLike | models.Opened",
-    *,
-    mode: str = "ram",
-    device: str | torch.device | Cpu | None = None,
-    dtype: torch.dtype | str | None = None,
-    offload_dir: str | os.PathLike | None = None,
-    buffers: int = 2,
-    quantize: str | None = None,
-    device_memory: float | None = None,
-    context: int | None = None,
-) -> OffloadedCausalLM:
-    """An offloaded causal LM from a model folder, a hub id or a folder models.open_model has
-    opened and checked already (decoder layers at `model.layers`).
-
-    mode "ram": every layer in one host arena; "ssd": layers read from safetensors every pass
-    (the checkpoint's own files when their dtype fits, else a per-layer copy made in offload_dir,
-    announced on stderr and named by `model.converted_folder`). device None: cuda if available,
-    else cpu; a `Cpu`/`Cuda`-like object runs on it (tests pass a fake one). dtype None: the dtype
-    stored in the checkpoint; "float16" and "torch.bfloat16" are read as torch dtypes. quantize
-    "int8" or "int4": decoder-layer linear weights are stored and moved quantized (quantize.py)
-    and dequantized into `dtype` on the device (ssd: always from a converted copy).
-    device_memory: bytes the model may hold on the device (None: stream every layer); after the
-    embeddings and head, a KV cache of `context` tokens (None: the config's max positions) and
-    the ring's slots, as many decoder layers as fit stay resident and are never moved again.
-    Activations need room beyond it. Every error is an OffloadError with a one-line message.
-    """
-    if mode not in ("ram", "ssd"):
-        raise OffloadError(f"mode must be 'ram' or 'ssd', not {mode!r}")
-    if isinstance(buffers, bool) or not isinstance(buffers, int) or buffers < 1:
-        raise OffloadError(f"buffers must be an integer of at least 1, not {buffers!r}")
-    if quantize not in (None, *quant.KINDS):
-        raise OffloadError(f"quantize must be None, 'int8' or 'int4', not {quantize!r}")
-    number = isinstance(device_memory, numbers.Real) and not isinstance(device_memory, bool)
-    if device_memory is not None and not (number and device_memory >= 0):  # NaN fails too
-        raise OffloadError(f"device_memory must be a number of bytes, not {device_memory!r}")
-    whole = isinstance(context, numbers.Integral) and not isinstance(context, bool)
-    if context is not None and not (whole and context > 0):
-        raise OffloadError(f"context must be a positive number of tokens, not {context!r}")
-    ops = device  # the device's operations: Cpu, Cuda, or a test's fake
-    if not isinstance(device, Cpu):
-        device = models.as_device(device)
-        ops = Cuda(device) if device.type == "cuda" else Cpu()
-    opened = models.open_model(name_or_path)  # refused here iff in memory too
-    ckpt, n_layers = opened.checkpoint, opened.config.num_hidden_layers
-    dtype = models.as_dtype(dtype) or ckpt.dtype
-    models.check_dtype_runs(ops.device, dtype)
-    # the model on meta costs nothing; only the parts that stay on the device get real tensors
-    hf = opened.skeleton(dtype)
-    shapes = ckpt.check_layers(hf, quantize)  # what each decoder layer holds, the same for all
-
-    # sizes from the config and the headers alone: the budget is refused or met before anything
-    # is read, pinned or converted
-    stored = quant.stored_layer(shapes, dtype, quantize)  # meta: what storage keeps of a layer
-    moved = pack(stored).nbytes  # ram, or ssd through staging: the tensors as pack lays them
-    if mode == "ssd" and not ops.staging:  # straight in: a converted copy, or the checkpoint's
-        # a copy is one file, its tensors end to end after a header that ends in the first page
-        moved = round_up(sum(t.nbytes for t in stored.values())) + PAGE
-        in_place = [{n: ckpt.entries.get(f"model.layers.{i}.{n}") for n in shapes}
-                    for i in range(n_layers)]  # fmt: skip
-        if quantize is None and all(e for layer in in_place for e in layer.values()):
-            moved = max([moved, *(plan_reads(layer)[0].nbytes for layer in in_place)])
-    n_resident = 0
-    if device_memory is not None:
-        slot, kept = moved, moved  # a slot; a resident layer's buffer
-        if quantize is not None:  # a slot also holds the dequantized weights; resident: only them
-            plain = quant.stored_layer(shapes, dtype, None)
-            slot += pack({n: w for n, w in plain.items() if quant.is_weight(n)}).nbytes
-            kept = pack(plain).nbytes
-        n_resident = count_resident(hf, dtype, device_memory, context, buffers, slot, kept)
-    models.load_weights(opened, hf, ops.device, dtype, layers=False)
-
-    converted = None
-    with contextlib.ExitStack() as undo:  # failing from here on, give back what was taken
-        undo.callback(ops.close)
-        if mode == "ram":  # every layer into one arena: the big read
-            storage = RamStorage(pack(stored), n_layers, ops)
-            undo.callback(storage.close)
-            storage.fill(ckpt, shapes, dtype, quantize)
-        else:  # the checkpoint's own files where they fit, else a converted copy
-            layers, converted = files.disk_layers(
-                ckpt, shapes, n_layers, dtype, quantize, offload_dir
-            )
-            storage = DiskStorage(layers, ops, moved)
-            undo.callback(storage.close)
-        if quantize is not None:  # a slot also holds the layer's dequantized weights
-            storage = Dequantizing(storage, shapes, dtype, quantize)
-        model = OffloadedCausalLM(hf, storage, buffers, ops, n_resident)
-        undo.pop_all()  # the model's own now: its close() or finalizer gives them back
-    model.converted_folder, model.quantized = converted, quantize
-    return model
-
-
-def count_resident(hf, dtype, device_memory, context, buffers, slot: int, kept: int) -> int:
-    """How many decoder layers stay on the device: the most k whose buffers (`kept` bytes each)
-    and the ring's min(buffers, n - k) slots fit in `device_memory` beside what is on the device
-    anyway: the parts outside the decoder layers, and keys and values of every layer for
-    `context` tokens (None: the config's max positions)."""
-    config, n_layers = hf.config, hf.config.num_hidden_layers
-    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    positions = context or config.max_position_embeddings  # the KV cache's
-    fixed = 2 * n_layers * heads * head_dim * dtype.itemsize * positions
-    fixed += sum(p.nbytes for n, p in hf.named_parameters() if not n.startswith("model.layers."))
-    fits = [k for k in range(n_layers + 1)
-            if fixed + k * kept + min(buffers, n_layers - k) * slot <= device_memory]  # fmt: skip
-    if not fits:
-        raise OffloadError(
-            f"device_memory {device_memory / 1e9:.3f} GB: the head and {positions} positions"
-            f" of KV cache take {fixed / 1e9:.3f} GB, leaving too little for {buffers} slots"
-        )
-    return max(fits)
-
-
-def self_draft(target, kind: str, **options) -> OffloadedCausalLM:
-    """The target's own int8 or int4 copy as SpecExec's draft (SubSpec, 2025): the same
-    tokenizer by construction and no second checkpoint. Every layer resident (nothing streams);
-    `target` a folder, hub id or models.Opened, `options` as from_pretrained's (device, dtype).
-
-    Each layer's buffer holds its weights dequantized into `dtype`, and the matmuls run on those
-    (no int8 / int4 kernels here): it computes exactly the quantized model, but holds the full
-    model's bytes on the device, not a quarter of them. Once loaded, its host copy is let go.
-    """
-    if kind not in quant.KINDS:
-        raise OffloadError(f"a self-draft is 'int8' or 'int4', not {kind!r}")
-    return from_pretrained(target, mode="ram", quantize=kind, device_memory=math.inf, **options)
+        for buffer in list(self.registered):  # what a storage left pinned (normally nothing)
+            self.free_host(buffer)
+        for stream in self.streams.values():
+            stream.synchronize()  # nothing of ours still runs once the model is gone

@@ -91,7 +91,7 @@ def device_sizes(folder, oracle, options):
     return sum(p.nbytes for p in outside) + kv, slot
 
 
-def kept_size(oracle, options, slot):
+def resident_size(oracle, options, slot):
     """Bytes of a resident layer's buffer: a slot; quantized, only what compute reads, the
     in-memory model's layer (each tensor on whole pages)."""
     if not options.get("quantize"):
@@ -103,8 +103,8 @@ def memory_for(resident, folder, oracle, options):
     """A device_memory that holds `resident` layers of their own and the ring's slots."""
     fixed, slot = device_sizes(folder, oracle, options)
     n, buffers = oracle.config.num_hidden_layers, options.get("buffers", 2)
-    kept = kept_size(oracle, options, slot)
-    return {"device_memory": fixed + resident * kept + min(buffers, n - resident) * slot}
+    own = resident_size(oracle, options, slot)
+    return {"device_memory": fixed + resident * own + min(buffers, n - resident) * slot}
 
 
 def count_bytes_moved(model, stack):
@@ -148,7 +148,7 @@ def test_logits_match_in_memory_model(
     if resident:  # a budget that keeps that many layers on the device, the rest streaming
         options |= memory_for(resident, folder, oracle, options)
     with offload.from_pretrained(folder, **options) as model, contextlib.ExitStack() as stack:
-        assert model.stats.resident_layers == len(model.ring.kept) == resident
+        assert model.stats.resident_layers == len(model.ring.resident) == resident
         loads = count_bytes_moved(model, stack)
         set_attention(model, attention)
         assert model.dtype == torch.float32 and model.device == torch.device("cpu")
@@ -173,14 +173,16 @@ def test_logits_match_in_memory_model(
                 specexec.keep_path(cache, list(range(len(PARENTS))), path)
         model.ring.drain()  # the next pass's first layers, prefetched, have landed too
         stats = model.stats  # of the last pass: every streamed layer moved once, no other
-        streamed = [i for i in range(oracle.config.num_hidden_layers) if i not in model.ring.kept]
+        streamed = [
+            i for i in range(oracle.config.num_hidden_layers) if i not in model.ring.resident
+        ]
         assert {layer for layer, _ in loads} == set(streamed)  # resident ones: never again
         moved = dict(loads)  # each layer's bytes per load, measured
         assert sorted(set(loads)) == sorted(moved.items())  # the same every time
         assert stats.bytes_moved == sum(moved.values())
         assert stats.bytes_moved == sum(model.layouts[i].nbytes for i in streamed)
-        assert stats.resident_layers == resident and 0 <= stats.wait_s <= stats.pass_s
-        assert stats.compute_s > 0 and (stats.gb_per_s > 0 or not streamed)
+        assert stats.resident_layers == resident and 0 <= stats.wait_s < stats.pass_s
+        assert stats.gb_per_s > 0 or not streamed
 
 
 @pytest.mark.parametrize("kind", [None, *quantize.KINDS])
@@ -211,24 +213,24 @@ def test_device_memory_keeps_the_layers_that_fit(tmp_path, mode, buffers, kind):
     options = {"mode": mode, "device": "cpu", "buffers": buffers, "context": CONTEXT}
     options |= {"quantize": kind, "offload_dir": tmp_path}
     fixed, slot = device_sizes(tmp_path / "model", oracle, options)
-    kept = kept_size(oracle, options, slot)
+    own = resident_size(oracle, options, slot)
     for n_slots in range(7):
         for memory in (fixed + n_slots * slot - 1, fixed + n_slots * slot):
-            fits = [k for k in range(6) if fixed + k * kept + min(buffers, 5 - k) * slot <= memory]
+            fits = [k for k in range(6) if fixed + k * own + min(buffers, 5 - k) * slot <= memory]
             if not fits:
                 with pytest.raises(offload.OffloadError, match="too little for") as caught:
                     offload.from_pretrained(tmp_path / "model", **options, device_memory=memory)
                 assert "\n" not in str(caught.value)
                 continue
             with offload.from_pretrained(tmp_path / "model", **options, device_memory=memory) as m:
-                assert m.stats.resident_layers == len(m.ring.kept) == max(fits)
-                assert sorted([*m.ring.kept, *m.ring.order]) == list(range(5))
+                assert m.stats.resident_layers == len(m.ring.resident) == max(fits)
+                assert sorted([*m.ring.resident, *m.ring.order]) == list(range(5))
                 # spread: the streamed runs before each resident layer differ by one at most
-                edges = [-1, *sorted(m.ring.kept)]
+                edges = [-1, *sorted(m.ring.resident)]
                 runs = [b - a - 1 for a, b in zip(edges, edges[1:])]
                 assert not runs or max(runs) - min(runs) <= 1
                 assert len(m.ring.slots) == min(buffers, 5 - max(fits))
-                assert all(buffer.numel() == kept for buffer in m.ring.kept.values())
+                assert all(buffer.numel() == own for buffer in m.ring.resident.values())
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
@@ -486,7 +488,7 @@ class Staged(offload.Cpu):
     data=st.data(),
 )
 def test_planned_reads_give_what_safetensors_loads(tensors, staging, data):
-    """Any subset of a file's tensors, read through DiskStorage in preads of a page or two
+    """Any subset of a file's tensors, read through SsdStorage in preads of a page or two
     (straight into the slot, or through staging chunks), equals what safetensors loads; through
     staging, every tensor starts on a page, wherever its file had it."""
     from safetensors.torch import load_file, save_file
@@ -496,13 +498,13 @@ def test_planned_reads_give_what_safetensors_loads(tensors, staging, data):
     ops = Staged(staging) if staging else offload.Cpu()
     with (
         tempfile.TemporaryDirectory() as folder,
-        unittest.mock.patch.object(offload.DiskStorage, "piece_nbytes", offload.PAGE),
+        unittest.mock.patch.object(offload.SsdStorage, "piece_nbytes", offload.PAGE),
     ):
         path = Path(folder) / "f.safetensors"
         save_file(written, path)
         entries = checkpoint.read_header(path)
-        storage = offload.DiskStorage([{name: entries[name] for name in wanted}], ops)
-        slot = offload.page_aligned(storage.slot_nbytes(), torch.device("cpu"))  # as the ring
+        storage = offload.SsdStorage([{name: entries[name] for name in wanted}], ops)
+        slot = offload.page_aligned(storage.layouts[0].nbytes, torch.device("cpu"))  # what it needs
         storage.load(0, slot, ops)
         got = storage.layouts[0].views(slot)
         storage.close()
@@ -522,7 +524,7 @@ def test_the_ssd_tier_keeps_two_reads_in_flight(tmp_path, monkeypatch, staging):
 
     path = tmp_path / "layer.safetensors"
     save_file({"w": torch.randn(64, 50), "norm": torch.randn(50).half()}, path)  # pages of it
-    monkeypatch.setattr(offload.DiskStorage, "piece_nbytes", offload.PAGE)
+    monkeypatch.setattr(offload.SsdStorage, "piece_nbytes", offload.PAGE)
     both, calls, pread_into = (
         threading.Barrier(2, timeout=5),
         itertools.count(),
@@ -536,8 +538,8 @@ def test_the_ssd_tier_keeps_two_reads_in_flight(tmp_path, monkeypatch, staging):
 
     monkeypatch.setattr(checkpoint, "pread_into", paired)
     ops = Staged(staging) if staging else offload.Cpu()
-    storage = offload.DiskStorage([checkpoint.read_header(path)], ops)
-    slot = offload.page_aligned(storage.slot_nbytes(), torch.device("cpu"))
+    storage = offload.SsdStorage([checkpoint.read_header(path)], ops)
+    slot = offload.page_aligned(storage.layouts[0].nbytes, torch.device("cpu"))
     storage.load(0, slot, ops)
     storage.close()
     got, expected = storage.layouts[0].views(slot), load_file(path)
@@ -770,7 +772,7 @@ class FakeDevice(offload.Cpu):
     staging=st.tuples(st.integers(1, 3), st.integers(1, 3)),  # chunks, pages each
     fail_at=st.sampled_from([None, 0, 1, 2]),
     kind=st.sampled_from([None, "int8", "int4"]),  # quantized: dequantized on the copy stream
-    resident=st.integers(0, 3),  # layers kept on the device, of 3 (a budget that holds them)
+    resident=st.integers(0, 3),  # resident layers, of 3 (a budget that holds them)
     queues=st.booleans(),  # copies queued as CUDA's are: a RAM layer's issued without the reader
 )
 def test_ring_ordering_on_a_fake_device(
@@ -790,11 +792,11 @@ def test_ring_ordering_on_a_fake_device(
         options |= memory_for(resident, folder, oracle, {**options, "device": Staged(fake.staging)})
     model = offload.from_pretrained(folder, **options, device=fake)
     all_fit = resident + min(buffers, 3 - resident) >= 3  # the ring's slots would hold the rest
-    assert len(model.ring.kept) == (3 if resident and all_fit else resident)
+    assert len(model.ring.resident) == (3 if resident and all_fit else resident)
     fake.streams["copy"].submit(lambda: None).result()  # the loads at build time have run
     built = {
         fake.slot_of(buffer): fake.copied[fake.slot_of(buffer)]
-        for buffer in model.ring.kept.values()
+        for buffer in model.ring.resident.values()
     }
     if fail_at is not None:  # the first pass breaks off in this layer
         with pytest.raises(RuntimeError, match="out of memory"):
@@ -837,14 +839,14 @@ def test_every_tensor_bound_starts_on_a_page(
     with offload.from_pretrained(folder, **options) as model:  # one layer resident, two streamed
         model(torch.randint(97, (1, 3)))
     per_layer = len(list(oracle.model.layers[0].parameters()))
-    assert len(model.ring.kept) == 1 and len(offsets) == 3 * per_layer
+    assert len(model.ring.resident) == 1 and len(offsets) == 3 * per_layer
     assert set(offsets) == {0}
 
 
 def test_pass_times_are_the_devices():
-    """wait_s and load_s are read off events on the device's streams, not the host's clock: on
-    a fake device whose copies take one second of its clock each and compute none, compute
-    waits out every streamed layer's copy (ram, one slot: one copy a layer), every pass."""
+    """wait_s is read off events on the device's streams, not the host's clock: on a fake device
+    whose copies take one second of its clock each and compute none, compute waits out every
+    streamed layer's copy (ram, one slot: one copy a layer), every pass."""
     oracle = random_model(tiny_config("llama"))
     with tempfile.TemporaryDirectory() as folder:
         oracle.save_pretrained(folder)
@@ -852,7 +854,8 @@ def test_pass_times_are_the_devices():
         with offload.from_pretrained(folder, mode="ram", buffers=1, device=fake) as model:
             for n in (3, 1):
                 model(torch.randint(97, (1, n)))
-                assert model.stats.load_s == model.stats.wait_s == 3.0
+                assert model.stats.wait_s == 3.0
+                assert model.stats.bytes_moved == sum(layout.nbytes for layout in model.layouts)
     assert fake.errors == []
 
 
@@ -1129,7 +1132,7 @@ def float64_target(tmp_path_factory):
 
 
 @pytest.mark.parametrize("kind", quantize.KINDS)
-def test_self_draft_is_the_quantized_target_kept_whole(float64_target, kind):
+def test_self_draft_is_the_quantized_target_all_resident(float64_target, kind):
     """Its logits are the dequantized target's; nothing streams; a bad kind is one line."""
     folder, target = float64_target
     ids = torch.randint(97, (1, 7), generator=torch.Generator().manual_seed(9))

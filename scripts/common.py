@@ -297,4 +297,4 @@ def read_alone(model, evict=None):
     for layer in ring.order:
         ring.storage.load(layer, ring.slots[0], ring.ops)
     ring.ops.host_wait(ring.ops.record("copy"))
-    return time.perf_counter() - start, len(ring.order) * ring.storage.slot_nbytes()
+    return time.perf_counter() - start, len(ring.order) * ring.sizes.slot

@@ -335,7 +335,7 @@ def check_weights(ckpt: Checkpoint, model: torch.nn.Module) -> None:
 # ---- the ssd tier's files: the checkpoint's own, or a converted copy with one file per layer ----
 
 
-def disk_layers(
+def ssd_layers(
     ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, kind, offload_dir
 ) -> tuple[list[dict[str, Entry]], Path | None]:
     """Where the ssd tier reads each decoder layer's tensors (name -> Entry, a dict per layer):
