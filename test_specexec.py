@@ -1416,3 +1416,170 @@ def test_draft_threads_one_for_a_small_draft_torchs_setting_for_a_big_one():
     for draft, threads in ((small, 1), (big, 0)):
         assert cost_model.draft_threads(specexec.Options(), draft) == threads
         assert cost_model.draft_threads(specexec.Options(draft_threads=2), draft) == 2
+
+
+# ---- prompt lookup: candidates that cost no draft pass ----
+
+
+def lookup_oracle(seq, longest, most=4):
+    """lookup_chains spelled out: for n = 3, 2, 1, every earlier start of the last n tokens, the
+    latest first; the first n with any gives up to `most` of them, each followed for `longest`."""
+    for n in (3, 2, 1):
+        if len(seq) <= n:
+            continue
+        starts = [i for i in range(len(seq) - n) if seq[i : i + n] == seq[-n:]]
+        if starts:
+            return [seq[i + n : i + n + longest] for i in reversed(starts)][:most]
+    return []
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(seq=st.lists(st.integers(0, 5), min_size=1, max_size=30), longest=st.integers(1, 6))
+def test_lookup_chains_are_what_followed_the_latest_occurrences(seq, longest):
+    assert specexec.lookup_chains(seq, longest) == lookup_oracle(seq, longest)
+
+
+def repetitive(draw_list, repeats):
+    """A prompt that repeats itself, so that lookup finds something to copy."""
+    return (draw_list * repeats)[:40]
+
+
+@settings(max_examples=20, **SETTINGS)
+@given(
+    family=st.sampled_from(FAMILIES),
+    seed=st.integers(0, 3),
+    piece=st.lists(st.integers(0, 63), min_size=1, max_size=6),
+    repeats=st.integers(1, 4),
+    budget=st.integers(1, 48),
+    lookup=st.integers(1, 12),
+    with_draft=st.booleans(),
+    max_new_tokens=st.integers(1, 40),
+)
+def test_greedy_with_lookup_equals_greedy_target(
+    family, seed, piece, repeats, budget, lookup, with_draft, max_new_tokens
+):
+    """Lookup's branches beside the draft's, or alone (no draft model): the target's own greedy
+    text, whatever they propose (float64 models: no near-tie can flip an argmax)."""
+    target = tiny_model(family, seed, init=0.3)
+    draft = tiny_model(family, 10 + seed, init=0.3) if with_draft else None
+    prompt = repetitive(piece, repeats)
+    options = dict(budget=budget, max_depth=4, width=8, branch=3, lookup=lookup)
+    with torch.no_grad():
+        expected, _ = specexec.autoregressive(target, prompt, max_new_tokens=max_new_tokens)
+        tokens, stats = specexec.generate(target, draft, prompt, max_new_tokens=max_new_tokens,
+                                          **options)  # fmt: skip
+    assert tokens == expected
+    assert max(stats.tree_sizes) <= budget and stats.new_tokens == sum(stats.emitted)
+    assert 0 <= stats.looked_up <= stats.new_tokens - stats.steps + 1  # a bonus is no node
+
+
+@pytest.mark.parametrize("with_draft", [False, True])
+def test_sampling_with_lookup_and_a_seed_equals_the_target_alone(with_draft):
+    target = tiny_model("llama", 0, init=0.3)
+    draft = tiny_model("llama", 1, init=0.3) if with_draft else None
+    options = dict(temperature=0.9, top_p=0.95, max_new_tokens=40)
+    prompt = [5, 6, 7, 8] * 5
+    with torch.no_grad():
+        for seed in range(3):
+            expected, _ = specexec.autoregressive(target, prompt, seed=seed, **options)
+            tokens, _ = specexec.generate(
+                target, draft, prompt, seed=seed, budget=16, lookup=8, **options
+            )
+            assert tokens == expected
+
+
+@needs_pair
+def test_lookup_alone_copies_text_that_repeats():
+    """With no draft model: where the trained target repeats itself (a list, a comment line it
+    writes again), lookup's branches verify whole stretches in one target pass; exact, at a
+    fixed budget and with auto (whose choices follow timings: only its text is asserted)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(PAIR / "target")
+    target = AutoModelForCausalLM.from_pretrained(PAIR / "target", dtype=torch.float64).eval()
+    ids = tokenizer("items = [\n    'alpha',\n    'beta',\n    'gamma',\n")["input_ids"]
+    options = dict(max_new_tokens=48, eos_token_id=[], lookup=8)
+    with torch.no_grad():
+        expected, _ = specexec.autoregressive(target, ids, max_new_tokens=48, eos_token_id=[])
+        tokens, stats = specexec.generate(target, None, ids, budget=16, **options)
+        auto, _ = specexec.generate(target, None, ids, **options)
+    assert tokens == expected == auto
+    assert stats.tokens_per_step > 3 and stats.looked_up > 24 and stats.draft_passes == 0
+
+
+@pytest.mark.parametrize("chains", ["wrong", "long"])
+def test_adversarial_lookup_changes_nothing(chains, monkeypatch):
+    """Every candidate wrong (tokens the target never picks next), or chains far past the
+    context's end: the text is still the target's, and no node lies beyond the context."""
+    target = tiny_model("qwen2", 0, init=0.3, context=64)
+    prompt = [7, 8, 9] * 18  # 54 of 64 positions
+    with torch.no_grad():
+        expected, _ = specexec.autoregressive(target, prompt, max_new_tokens=30)
+
+    def proposals(seq, longest, most=4):
+        if chains == "long":
+            return [list(range(60))] * 2
+        next_token = int(fresh_logits(target, seq).argmax())
+        return [[(next_token + k) % 64 for _ in range(longest)] for k in (1, 2, 3)]
+
+    monkeypatch.setattr(specexec, "lookup_chains", proposals)
+    with torch.no_grad():
+        tokens, stats = specexec.generate(
+            target, None, prompt, max_new_tokens=30, budget=64, lookup=60
+        )
+    assert tokens == expected and len(tokens) == 64 - len(prompt)  # up to the context's end
+    if chains == "wrong":
+        assert stats.looked_up == 0 and stats.tokens_per_step == 1
+
+
+def test_lookup_on_a_one_token_prompt_and_no_repeat_is_plain_decoding():
+    target = tiny_model("llama", 0)
+    with torch.no_grad():
+        expected, _ = specexec.autoregressive(target, [9], max_new_tokens=1)
+        tokens, stats = specexec.generate(target, None, [9], max_new_tokens=1, budget=4, lookup=4)
+    assert tokens == expected and stats.tree_sizes == [0]
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(
+    seq=st.lists(st.integers(0, 4), min_size=2, max_size=24),
+    budget=st.integers(1, 12),
+    logprob=st.floats(-3.0, -0.05),
+    data=st.data(),
+)
+def test_lookup_branches_keep_the_tree_the_best_budget_closed_under_ancestors(
+    seq, budget, logprob, data
+):
+    """Lookup's nodes join a draft tree (random draft nodes first): the verified nodes stay at
+    most `budget`, closed under ancestors, each no better than its parent, a (parent, token)
+    once; a lookup node that did not make it has no verified descendant."""
+    tree = specexec.DraftTree(tokens=[seq[-1]], parents=[-1], cum_logprob=[0.0], depth=[0],
+                              budget=budget)  # fmt: skip
+    for _ in range(data.draw(st.integers(0, 10))):  # some draft nodes, as add_children adds
+        parent = data.draw(st.integers(0, len(tree.tokens) - 1))
+        token = data.draw(st.integers(0, 4))
+        if (parent, token) not in tree.children:
+            child = tree.add_child(parent, token, data.draw(st.floats(-3.0, -0.01)))
+            tree.admit(child)
+    before = tree.best()
+    if any(tree.parents[n] not in {0, *before} for n in before):
+        return  # random draft nodes need not form a tree; lookup's promise is about a tree
+    tree.add_lookup(specexec.lookup_chains(seq, 6), logprob, deepest=5)
+    best = tree.best()
+    assert len(best) <= budget
+    assert all(tree.parents[n] in {0, *best} for n in best)
+    assert all(tree.cum_logprob[n] <= tree.cum_logprob[tree.parents[n]] for n in best)
+    pairs = [(tree.parents[n], tree.tokens[n]) for n in range(1, len(tree.tokens))]
+    assert len(pairs) == len(set(pairs))
+    assert all(tree.depth[n] <= 5 for n in tree.looked_up)
+
+
+def test_a_chat_with_lookup_alone_answers_as_a_fresh_run():
+    target = tiny_model("llama", 2, init=0.5)
+    chat, conversation = Chat(target, None, max_new_tokens=12, lookup=6, budget=8), [3, 1, 4]
+    with torch.no_grad():
+        for turn in ([1, 5], [9, 2, 6]):
+            conversation = conversation + turn
+            answer, _ = chat.generate(conversation, eos_token_id=[])
+            assert answer == specexec.autoregressive(target, conversation, max_new_tokens=12)[0]
+            conversation = conversation + answer

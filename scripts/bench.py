@@ -44,6 +44,14 @@ class BenchConfig:
     offload: str | None = option(None, 'stream the target\'s layers from "ram" or "ssd"')
     plot: str = option(str(common.HERE / "figures" / "bench.png"), "where the PNG goes")
     drafts: bool = option(False, "instead: the distilled draft vs the target's int8/int4 copies")
+    lookup: int = option(
+        0,
+        "N > 0: instead of the peers, SpecExec with lookup (up to N tokens "
+        "copied) beside the draft, and lookup alone (no draft), at each budget",
+    )
+    prompt_kind: str = option(
+        "code", "code (held out) or grounded (their continuation in the input)"
+    )
 
 
 def rows_at(cfg, setting, target, hf_target, drafts, prompt_ids, eos, sampled):
@@ -58,7 +66,8 @@ def rows_at(cfg, setting, target, hf_target, drafts, prompt_ids, eos, sampled):
     def speculative(draft, budget, **shape):
         def run(i, ids):
             options = dict(budget=budget, max_depth=cfg.max_depth, seed=cfg.seed + i) | shape
-            return specexec.generate(target, draft, ids, **ours, **options)
+            draft_or_none = None if options.pop("alone", False) else draft
+            return specexec.generate(target, draft_or_none, ids, **ours, **options)
 
         return run
 
@@ -75,7 +84,7 @@ def rows_at(cfg, setting, target, hf_target, drafts, prompt_ids, eos, sampled):
         return out[0, len(ids) :].tolist(), None  # (1, len(ids) + new)
 
     methods = [(common.Row(setting, "plain decoding"), plain)]
-    if not cfg.drafts:
+    if not cfg.drafts and not cfg.lookup:
         chain = speculative(drafts["distilled"], cfg.max_depth, width=1, branch=1)
         exact = "n/a: HF's own draws" if sampled else ""
         methods += [(common.Row(setting, "HF assisted generation", exact=exact), assisted)]
@@ -84,6 +93,10 @@ def rows_at(cfg, setting, target, hf_target, drafts, prompt_ids, eos, sampled):
         method = f"SpecExec, {name} draft" if cfg.drafts else "SpecExec"
         for budget in common.budgets(cfg.budgets):
             methods.append((common.Row(setting, method, budget), speculative(draft, budget)))
+        for how, shape in [("SpecExec + lookup", {}), ("lookup alone", dict(alone=True))]:
+            for budget in common.budgets(cfg.budgets) if cfg.lookup else ():
+                decode = speculative(draft, budget, lookup=cfg.lookup, **shape)
+                methods.append((common.Row(setting, how, budget), decode))
     for _, decode in methods:  # warm-up: lazy initialisation, the allocator, caches
         decode(0, prompt_ids[0][:16])
     meters = [target.meter] + [draft.meter for draft in drafts.values()]
@@ -111,7 +124,7 @@ def main(argv=None):
     # forward must then be the offloaded (and metered) one.
     hf_target = getattr(target, "hf", target)
     hf_target.forward = target.forward
-    prompt_ids, eos = common.held_out_prompts(cfg.target, cfg.prompts)
+    prompt_ids, eos = common.held_out_prompts(cfg.target, cfg.prompts, cfg.prompt_kind)
     where = f"offloaded: {cfg.offload}" if cfg.offload else "in memory"
     print(f"machine: {common.machine()}")
     print(f"target {cfg.target} ({where}), draft {cfg.draft}, {cfg.dtype} on {device}; "

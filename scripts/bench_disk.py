@@ -56,6 +56,16 @@ class DiskBenchConfig:
     device: str = option("cpu", "where the target computes and the draft lives: cpu, cuda")
     offload: str = option("ssd", "the target's layers read each pass from: ssd, or ram (cuda)")
     skip_peers: bool = option(False, "no accelerate rows")
+    lookup: int = option(
+        0,
+        "N > 0: also SpecExec with lookup (up to N tokens copied) beside the "
+        "draft, and lookup alone (no draft), at each budget",
+    )
+    prompt_kind: str = option(
+        "code",
+        "code (held out), grounded (code, its continuation in the "
+        "input) or chat (instruct turns: a rewrite of the input)",
+    )
     plot: str = option(str(common.HERE / "figures" / "bench_disk.png"), "where the PNG goes")
 
 
@@ -167,17 +177,20 @@ def run(cfg, folder):
     peer = accelerate_target(folder, float32, device, cfg.offload) if streams else None
     # the peer's passes count as the target's
     meters = [common.Meter(target, *[peer] * bool(peer)), common.Meter(draft)]
-    prompt_ids, eos = common.held_out_prompts(folder, cfg.prompts)
-    print(f"{len(prompt_ids)} held-out prompts x {cfg.tokens} new tokens, greedy; target {folder}"
-          f" streamed from {cfg.offload}, draft {what}; float32 on {device}\n")  # fmt: skip
+    prompt_ids, eos = common.held_out_prompts(folder, cfg.prompts, cfg.prompt_kind)
+    print(
+        f"{len(prompt_ids)} {cfg.prompt_kind} prompts x {cfg.tokens} new tokens, greedy; "
+        f"target {folder} streamed from {cfg.offload}, draft {what}; float32 on {device}\n"
+    )
 
     def plain(i, ids, n=cfg.tokens):
         return specexec.autoregressive(target, ids, max_new_tokens=n, eos_token_id=eos)
 
-    def speculative(budget):
+    def speculative(budget, lookup=0, with_draft=True):
         def decode(i, ids, n=cfg.tokens):
-            return specexec.generate(target, draft, ids, max_new_tokens=n, budget=budget,
-                                     eos_token_id=eos, draft_threads=cfg.draft_threads)  # fmt: skip
+            return specexec.generate(target, draft if with_draft else None, ids, max_new_tokens=n,
+                                     budget=budget, eos_token_id=eos, lookup=lookup,
+                                     draft_threads=cfg.draft_threads)  # fmt: skip
 
         return decode
 
@@ -196,6 +209,10 @@ def run(cfg, folder):
     name = "accelerate disk offload" if cfg.offload == "ssd" else "accelerate cpu offload"
     methods += [(row(f"{name}, {how}"), accelerate(a)) for how, a in peers]
     methods += [(row("SpecExec", b), speculative(b)) for b in common.budgets(cfg.budgets)]
+    if cfg.lookup:
+        for method, with_draft in (("SpecExec + lookup", True), ("lookup alone", False)):
+            methods += [(row(method, b), speculative(b, cfg.lookup, with_draft))
+                        for b in common.budgets(cfg.budgets)]  # fmt: skip
     with target, torch.no_grad():
         for _, decode in methods:  # warm-up: threads, allocator, lazy initialisation
             decode(0, prompt_ids[0][:32], 2)

@@ -69,14 +69,37 @@ def budgets(text):
     return [b if b == "auto" else int(b) for b in text.split(",")]
 
 
-def held_out_prompts(folder, n):
-    """The first n held-out prompts of train_pair.py as token ids, by the tokenizer of the model
-    in `folder`; and that tokenizer's EOS."""
+def held_out_prompts(folder, n, kind="code"):
+    """n prompts as token ids, by the tokenizer of the model in `folder`, and its EOS. kind "code":
+    the first n held-out prompts of train_pair.py; "grounded": each of those followed by its own
+    first half again, so that the continuation is in the input (a copy being edited); "chat":
+    instruct turns whose answer rewrites their input (CHAT_PROMPTS), in the chat template."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    prompts = json.loads((HERE / "models" / "prompts.json").read_text())[:n]
-    return [tokenizer(p["prompt"])["input_ids"] for p in prompts], tokenizer.eos_token_id
+    if kind == "chat":
+        turns = [[{"role": "user", "content": text}] for text in CHAT_PROMPTS[:n]]
+        render = dict(add_generation_prompt=True, tokenize=True, return_dict=True)
+        ids = [tokenizer.apply_chat_template(turn, **render)["input_ids"] for turn in turns]
+        return [list(i) for i in ids], tokenizer.eos_token_id
+    prompts = [p["prompt"] for p in json.loads((HERE / "models" / "prompts.json").read_text())[:n]]
+    if kind == "grounded":
+        prompts = [p + "\n\n" + p[: len(p) // 2] for p in prompts]
+    return [tokenizer(p)["input_ids"] for p in prompts], tokenizer.eos_token_id
+
+
+# Input-grounded instruct turns: the answer repeats much of the question
+CHAT_PROMPTS = [
+    "Rewrite in the past tense: I walk to the station every morning. The train is always late, "
+    "so I read a book while I wait. When it arrives, I find a seat by the window.",
+    "Fix the spelling: Ther are many diferent kinds of birds in the park. Some of them sing "
+    "beautifuly in the morning, and others only come out at nite.",
+    "Add type hints to this function:\ndef scale(values, factor):\n    result = []\n    for value"
+    " in values:\n        result.append(value * factor)\n    return result",
+    "Number each item of this list: apples, bread, milk, eggs, butter, cheese, rice, tea.",
+    "Make this sentence formal: hey, can u send me the report by tomorrow? thanks a lot!",
+    "Repeat the following sentence three times: The quick brown fox jumps over the lazy dog.",
+]
 
 
 # ---- measuring: a meter per model, a row per method, prompt by prompt ----
