@@ -107,7 +107,7 @@ def parse_args(argv=None):
         help="auto: float32 on cpu (half precision runs about 6x slower there; with --offload "
         "ssd a half checkpoint is then read from a float32 copy), else the checkpoint's own")
     add("--threads", type=positive, metavar="N", help="CPU threads of the target's passes "
-        "(default: torch's, one per core)")
+        "(default: one per core that other programs leave free)")
     add("--offload", choices=("ram", "ssd"), help="stream the target's layers from RAM or disk")
     add("--offload-dir", type=Path, default=Path("~/.cache/specexec/offload"), metavar="DIR",
         help="where ssd writes a per-layer copy when the checkpoint cannot be read in place "
@@ -234,8 +234,7 @@ def run(args):
     from specexec_tools.checkpoint import check_removable
 
     opts, device = args.opts, pick_device(args.device)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads or free_cores())
     if not args.verbose:  # no per-tensor progress bars and load reports
         transformers_logging.disable_progress_bar()
         transformers_logging.set_verbosity_error()
@@ -316,6 +315,8 @@ def report(target, draft, tokenizer, seq, limit, eos, args, device):
         run, list(seq), make_policy(opts, target, draft), eos, stream
     )
     print("\n\n" + dim(f"specexec: {summary(stats)}"))
+    if explained := why_plain(stats):
+        print(dim(explained))
     if args.offload:
         layers = target.config.num_hidden_layers
         print(dim(f"offload ({args.offload}): {target.stats.summary(layers)}"))
@@ -340,6 +341,33 @@ def report(target, draft, tokenizer, seq, limit, eos, args, device):
             where = "in memory" if not args.offload else "in RAM (on a CPU, a memory copy)"
             print(dim(NOT_THE_REGIME.format(where=where)))
     print("identical output" if base_tokens == tokens else "outputs differ")
+
+
+def free_cores():
+    """The default of --threads: one per core that other programs leave free (the load average
+    of the last minute), at least one. Torch's own default, one per core, collapses when another
+    program holds a core: its threads wait for each other at every step (docs/results.md)."""
+    cores = os.cpu_count() or 1
+    return max(1, min(cores, round(cores - os.getloadavg()[0])))
+
+
+def why_plain(stats):
+    """Where budget auto decoded mostly plainly: what its best tree would have given here, and
+    why plain decoding was faster (a first run in memory shows SpecExec's idea this way)."""
+    policy, plain = stats.policy, sum(1 for budget, _ in stats.budgets if not budget)
+    if not getattr(policy, "gains", None) or 2 * plain < stats.steps:
+        return None
+    rates = policy.rates()
+    best = max((choice for choice in rates if choice[0]), key=rates.get, default=None)
+    if best is None:
+        return None
+    (budget, depth), (tokens, _) = best, policy.gains[best]
+    return (
+        f"(auto: its best tree here, {budget} nodes {depth} deep, would give {tokens:.2f} tokens "
+        f"per target pass, {rates[best]:.0f} tokens/s against {rates[(0, 0)]:.0f} decoding "
+        "plainly: this target's pass costs compute, which a tree multiplies. Trees pay where a "
+        "pass moves the weights: see the README's streamed run, --offload ssd)"
+    )
 
 
 def pick_device(name):
