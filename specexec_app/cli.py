@@ -464,8 +464,11 @@ class Streamer:
 
 
 def main(args=None):
+    """The command line: `args` parsed already (`python specexec.py` read them before torch
+    loaded), or a list of strings, or None for sys.argv (the `specexec` command)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # read_flags' quick exit, undone
-    handled(lambda: run(args or parse_args()))
+    parsed = isinstance(args, argparse.Namespace)
+    handled(lambda: run(args if parsed else parse_args(args)))
 
 
 def handled(work):
