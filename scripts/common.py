@@ -232,6 +232,7 @@ def plot_budgets(rows, path, title, values=("rate",)):
         dashes = ("-", "--", ":", "-.")[settings.index(setting) % 4]
         return dict(color=f"C{colours.index(name) % 10}", ls=dashes, label=f"{name}, {setting}")
 
+    budgets = sorted({r.budget for r in rows if isinstance(r.budget, int)}) or [1]
     fig, axes = plt.subplots(1, len(values), figsize=(2 + 6 * len(values), 5), squeeze=False)
     for ax, value in zip(axes[0], values):
         for setting, method in curves:
@@ -242,7 +243,7 @@ def plot_budgets(rows, path, title, values=("rate",)):
         for row in flat:
             ax.axhline(getattr(row, value), **style(row.setting, row.label))
         ax.set_xscale("log", base=2)
-        ax.set_xticks(x, [str(b) for b in x])
+        ax.set_xticks(budgets, [str(b) for b in budgets])
         ax.set_ylim(bottom=0)
         ax.set_xlabel("budget: draft tree nodes the target verifies per pass")
         ax.set_title(names[value])
