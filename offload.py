@@ -222,6 +222,7 @@ def from_pretrained(
     whole = isinstance(context, numbers.Integral) and not isinstance(context, bool)
     if context is not None and not (whole and context > 0):
         raise OffloadError(f"context must be a positive number of tokens, not {context!r}")
+    files.check_offload_dir(offload_dir)  # before anything is read
     ops = device  # the device's operations: Cpu, Cuda, or a test's fake
     if not isinstance(device, Cpu):
         device = models.as_device(device)

@@ -7,6 +7,7 @@ command line a turn is a line of standard input (on a terminal, typed at the `>`
 stops an answer, /new starts the conversation over, EOF or /exit ends it.
 """
 
+import re
 import sys
 
 import specexec
@@ -87,6 +88,8 @@ def talk(chat, tokenizer, folder, args, eos, stream, dim, summary):
         try:
             input_ids = tokenize(tokenizer, messages, args.chat_template, folder)
             tokens, stats = chat.generate(input_ids, eos_token_id=eos, on_tokens=stream(tokenizer))
+            answer = tokenizer.decode(tokens, skip_special_tokens=True)
+            print("\n" + dim(f"specexec: {summary(stats)}"), flush=True)
         except SpecExecError as error:  # this turn, refused; the conversation goes on
             messages.pop()
             if "the context holds" in str(error):
@@ -97,9 +100,7 @@ def talk(chat, tokenizer, folder, args, eos, stream, dim, summary):
             messages.pop()
             print("\n" + dim("chat: answer stopped; the turn is dropped"), flush=True)
             continue
-        answer = tokenizer.decode(tokens, skip_special_tokens=True)
         messages.append({"role": "assistant", "content": answer})
-        print("\n" + dim(f"specexec: {summary(stats)}"), flush=True)
         answered += 1
     return answered
 
@@ -115,19 +116,23 @@ def turns(first=None):
     if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8: refused turn by turn
         sys.stdin.reconfigure(errors="surrogateescape")
     while True:
-        try:
+        try:  # Ctrl-C while a turn is read (at the prompt, or as it is echoed) ends the chat
             line = input("> ") if terminal else sys.stdin.readline()
+            if not terminal and not line:  # the pipe's end
+                return
+            line = line.rstrip("\r\n")
+            if line.strip() == "/exit":
+                return
+            if not line.strip():
+                continue
+            if not terminal:  # a long turn cut; bytes that are not text as escapes, not sent
+                raw = line[:200].encode(errors="surrogateescape")
+                shown = raw.decode(errors="backslashreplace")
+                shown = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in shown)
+                print(f"> {shown}{'...' * (len(line) > 200)}", flush=True)
         except (EOFError, KeyboardInterrupt):
             return
-        if not terminal and not line:  # the pipe's end
-            return
-        line = line.rstrip("\r\n")
-        if line.strip() == "/exit":
-            return
-        if line.strip():
-            if not terminal:
-                print(f"> {line if len(line) <= 200 else line[:200] + '...'}", flush=True)
-            yield line.strip() if line.strip() == "/new" else line
+        yield line.strip() if line.strip() == "/new" else line
 
 
 def load_tokenizer(folder, chat_template="auto"):
@@ -153,15 +158,22 @@ def tokenize(tokenizer, prompt, chat_template, folder):
     ("on", "off"). Without a template a conversation is its texts in a row, each user turn on a
     new line: a base model continues the text."""
     messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    where = "--prompt" if isinstance(prompt, str) else "the turn"
     for message in messages:
         try:  # bytes that are not UTF-8 reach sys.argv as lone surrogates: no tokenizer takes them
             message["content"].encode()
         except UnicodeEncodeError as error:
             byte = ord(message["content"][error.start]) - 0xDC00  # Python's undecodable byte
-            where = "--prompt" if isinstance(prompt, str) else "the turn"
             raise SpecExecError(
                 f"{where} is not UTF-8 text (byte {byte:#04x} at character {error.start})"
             ) from None
+        # binary junk that happens to decode: control characters other than white space
+        junk = re.search(r"[\x00-\x08\x0e-\x1f\x7f-\x9f]", message["content"])
+        if junk and message["role"] == "user":  # an answer is the model's text, whatever it is
+            raise SpecExecError(
+                f"{where} is not text (control character {ord(junk[0]):#04x} at character "
+                f"{junk.start()})"
+            )
     has_template = tokenizer.chat_template is not None
     if chat_template == "on" and not has_template:
         raise SpecExecError(f"{folder}: its tokenizer has no chat template")

@@ -366,6 +366,16 @@ def copy_folder(ckpt: Checkpoint, dtype, kind, offload_dir) -> Path:
     return Path(offload_dir).expanduser() / name
 
 
+def check_offload_dir(offload_dir) -> None:
+    """offload_dir, checked before anything is read: None (no copy can be written) or a path
+    that is no file; "" is refused, not taken for the working directory."""
+    path = isinstance(offload_dir, str | os.PathLike) and os.fspath(offload_dir).strip()
+    if offload_dir is not None and not path:
+        raise OffloadError(f"offload_dir must be a path (the copy's folder), not {offload_dir!r}")
+    if path and Path(offload_dir).expanduser().is_file():
+        raise OffloadError(f"cannot write offload folder {offload_dir}: it is a file, not a folder")
+
+
 def copy_label(dtype, kind) -> str:
     """int8-float16: int8 levels with float16 scales; float64: unquantized float64."""
     dtype_name = str(dtype).removeprefix("torch.")
@@ -417,7 +427,9 @@ def convert(ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, offload_dir, k
             if damage is None:
                 return folder  # converted by an earlier run
             stored = quantize.stored_layer(shapes, dtype, kind)  # meta: dtypes and shapes
-            size = f"{len(files) * sum(t.nbytes for t in stored.values()) / 1e9:.2f} GB {label}"
+            nbytes = len(files) * sum(t.nbytes for t in stored.values())
+            size = f"{nbytes / 1e9:.2f} GB {label}"
+            check_space(offload_dir, folder, nbytes + len(files) * 2**16)  # 64 KiB: a header
             if damage:
                 say = f"the {size} copy in {folder} is damaged ({damage}); writing it again"
             else:
@@ -430,6 +442,19 @@ def convert(ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, offload_dir, k
     except OSError as err:
         raise OffloadError(f"cannot write offload folder {folder}: {err.strerror or err}") from None
     return folder
+
+
+def check_space(offload_dir: Path, folder: Path, needed: int) -> None:
+    """Refuse a copy of `needed` bytes that `offload_dir` has no room for, before its first byte
+    (a full disk would stop it part-way, after minutes of writing); a damaged copy's files in
+    `folder` count as room, being replaced."""
+    held = sum(f.stat().st_size for f in folder.iterdir() if f.is_file()) if folder.is_dir() else 0
+    free = shutil.disk_usage(offload_dir).free + held
+    if needed > free:
+        raise OffloadError(
+            f"the converted copy needs {needed / 1e9:.3g} GB, but {offload_dir} has "
+            f"{free / 1e9:.3g} GB free: free space there or choose another --offload-dir"
+        )
 
 
 @contextmanager

@@ -52,7 +52,9 @@ def find_folder(name: str) -> Path:
         if not (path / "config.json").is_file():
             raise OffloadError(f"{name}: no config.json in this folder")
         return path
-    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1:
+    if path.exists():  # a file: a config.json or a text file, say
+        raise OffloadError(f"{name}: a file, not a model folder")
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
         raise OffloadError(f"{name}: no such model folder")
     from huggingface_hub import constants, snapshot_download
 
@@ -158,11 +160,12 @@ def check_count(config, name: str, folder: Path) -> None:
 def skeleton(config, folder: Path, dtype=None) -> torch.nn.Module:
     """The model the config describes, on the meta device: its names, shapes and code, no bytes.
 
-    An unknown activation or rope type only fails here, when transformers builds the model."""
+    An unknown activation or rope type only fails here, when transformers builds the model;
+    what torch warns of on meta (a zero-sized weight, say) is left to the checks that follow."""
     from transformers import AutoModelForCausalLM
 
     try:
-        with torch.device("meta"):
+        with quiet(), torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     except Exception as err:
         raise OffloadError(f"{folder}: cannot build its model ({one_line(err)})") from None
