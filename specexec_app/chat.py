@@ -167,9 +167,10 @@ def tokenize(tokenizer, prompt, chat_template, folder):
             raise SpecExecError(
                 f"{where} is not UTF-8 text (byte {byte:#04x} at character {error.start})"
             ) from None
-        # binary junk that happens to decode: control characters other than white space
+        # a chat turn of binary junk that happens to decode: control characters but white space
+        # (a --prompt is the user's own, as given; an answer is the model's text, whatever it is)
         junk = re.search(r"[\x00-\x08\x0e-\x1f\x7f-\x9f]", message["content"])
-        if junk and message["role"] == "user":  # an answer is the model's text, whatever it is
+        if junk and message["role"] == "user" and not isinstance(prompt, str):
             raise SpecExecError(
                 f"{where} is not text (control character {ord(junk[0]):#04x} at character "
                 f"{junk.start()})"
