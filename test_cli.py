@@ -387,9 +387,11 @@ def test_bad_options_fail_in_one_line(tmp_path):
 def test_hub_id_offline_fails_fast(tmp_path):
     """A dead network costs one quick look, not the hub client's half minute of retries (which
     it announces); the timeout only catches a hang, so a slow machine does not fail this."""
-    no_hub = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path)}
-    for hub_id in ("nobody/no-such-model", "gpt2"):  # an id without an organisation is one too
-        result = cli_run("--target", hub_id, env=no_hub, timeout=600)
+    no_hub = {"env": {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path)}}
+    hub_ids = ("nobody/no-such-model", "gpt2")  # an id without an organisation is one too
+    for result in cli_run_all(
+        [(["--target", hub_id], {**no_hub, "timeout": 600}) for hub_id in hub_ids]
+    ):
         assert result.returncode == 2 and "127.0.0.1 cannot be reached" in result.stderr
         assert "local model folder" in result.stderr and "Retrying" not in result.stderr
 
