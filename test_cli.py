@@ -1,5 +1,7 @@
-"""Tests for cli.py, run as a user runs it: `python specexec.py ...` in a subprocess, so that the
-exit status, stderr and stray log lines are what a user would see.
+"""Tests for cli.py, run as a user runs it: `python specexec.py ...` in a process of its own, so
+that the exit status, stderr and stray log lines are what a user would see. Most runs are forked
+from one process that has imported torch and transformers already (FORK_SERVER); those whose
+interpreter start-up is under test start one of their own.
 
 The promise under test: every bad input is one line `error: ...` on stderr, exit status 2, no
 traceback, nothing written; Ctrl-C exits with 130 and a closed pipe quietly.
@@ -8,11 +10,14 @@ traceback, nothing written; Ctrl-C exits with 130 and a closed pipe quietly.
 import json
 import math
 import os
+import pickle
 import re
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
@@ -41,20 +46,202 @@ def clean_env(**changes):
     return {**env, "OMP_NUM_THREADS": "1", **changes}
 
 
-def cli_run(*argv, env=None, timeout=300, script=HERE / "specexec.py", **options):
-    """`python specexec.py ARGV` in a subprocess; returns the CompletedProcess. The timeout only
-    catches a hang; `options` go to subprocess.run (stdout=, preexec_fn=)."""
+SCRIPT = HERE / "specexec.py"
+
+# A process that has imported what `python specexec.py` imports (seconds of `import torch` and
+# transformers) and forks, for each run, a child that runs specexec.py as __main__ with its own
+# argv and file descriptors 0, 1, 2: each run is still a process of its own, whose exit status,
+# whatever reaches its stderr (tracebacks, log lines, warnings) and interpreter exit are a user's.
+# Runs that need a fresh interpreter (an environment read at start-up, preexec_fn, a stdout of
+# the test's, another copy of the modules) start one.
+FORK_SERVER = r"""
+import atexit, gc, os, pickle, runpy, signal, sys, threading
+
+import torch, transformers, safetensors.torch, tokenizers, tqdm  # what every run imports
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers.models.llama import modeling_llama
+import specexec, offload
+from specexec_app import chat, cli
+from specexec_tools import checkpoint, cost_model, models, quantize
+
+gc.freeze()  # the children's collections leave the imported objects (and their pages) alone
+
+
+def serve(requests, replies, parallel):
+    # Batches of runs [(argv, cwd, stdin, stdout, stderr paths)] -> their exit statuses; in a
+    # child this returns its argv, its descriptors in place.
+    while True:
+        try:
+            batch = pickle.load(requests)
+        except EOFError:
+            os._exit(0)
+        statuses, running = [None] * len(batch), {}
+        for i, run in enumerate(batch):
+            while len(running) >= parallel:
+                pid, status = os.wait()
+                statuses[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+            pid = os.fork()
+            if pid == 0:
+                requests.close(), replies.close()
+                argv, cwd, *paths = run
+                for fd, path in enumerate(paths):  # stdin, stdout, stderr
+                    os.dup2(os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY), fd)
+                os.chdir(cwd)
+                return argv
+            running[pid] = i
+        while running:
+            pid, status = os.wait()
+            statuses[running.pop(pid)] = os.waitstatus_to_exitcode(status)
+        pickle.dump(statuses, replies)
+        replies.flush()
+
+
+requests, replies = os.fdopen(int(sys.argv[1]), "rb"), os.fdopen(int(sys.argv[2]), "wb")
+pickle.dump("ready", replies)
+replies.flush()
+sys.argv = serve(requests, replies, int(sys.argv[3]))
+sys.path[0] = os.path.dirname(sys.argv[0])  # as `python specexec.py` sets it
+del requests, replies, serve
+# Then Python's own exit (its status, a traceback, threads joined, atexit, output flushed),
+# but for tearing the modules down, which with torch loaded takes a second.
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+    status = 0
+except SystemExit as exit:
+    status = exit.code or 0
+    if not isinstance(status, int):
+        print(status, file=sys.stderr)
+        status = 1
+except BaseException as error:
+    sys.excepthook(type(error), error, error.__traceback__)
+    status = -signal.SIGINT if isinstance(error, KeyboardInterrupt) else 1
+threading._shutdown()
+atexit._run_exitfuncs()
+for stream in sys.stdout, sys.stderr:
+    try:
+        stream.flush()
+    except Exception as error:
+        print(f"Exception ignored in: {stream!r}\n{error!r}", file=sys.stderr)
+        status = 120
+if status == -signal.SIGINT:  # Python ends so, to tell the shell it was interrupted
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGINT)
+os._exit(status)
+"""
+
+
+class ForkServer:
+    """FORK_SERVER, started once; `run` runs a batch of `python specexec.py` runs through it."""
+
+    def __init__(self):
+        self.folder = Path(tempfile.mkdtemp(prefix="specexec-runs-"))
+        requests, self.requests = os.pipe()
+        self.replies, replies = os.pipe()
+        startup = open(self.folder / "startup", "wb")  # what importing wrote: every run shows it
+        parallel = str(min(4, os.cpu_count() or 1))
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", FORK_SERVER, str(requests), str(replies), parallel],
+            pass_fds=(requests, replies), cwd=HERE, env=clean_env(), stdin=subprocess.DEVNULL,
+            stdout=startup, stderr=startup, start_new_session=True,
+        )  # fmt: skip
+        os.close(requests), os.close(replies), startup.close()
+        self.requests, self.replies = os.fdopen(self.requests, "wb"), os.fdopen(self.replies, "rb")
+        self.count = 0
+        assert self.receive(timeout=600) == "ready"
+        self.startup = (self.folder / "startup").read_bytes()
+
+    def receive(self, timeout):
+        if not select.select([self.replies], [], [], timeout)[0]:
+            self.close()
+            raise subprocess.TimeoutExpired("python specexec.py (forked)", timeout)
+        return pickle.load(self.replies)
+
+    def run(self, cases, timeout):
+        """cases: [(argv, input text or None)] -> [CompletedProcess], text as subprocess.run's."""
+        batch, files = [], []
+        for argv, text in cases:
+            self.count += 1
+            stdin, stdout, stderr = (
+                self.folder / f"{self.count}.{n}" for n in ("in", "out", "err")
+            )
+            stdin.write_text(text or "")
+            stdout.touch(), stderr.touch()
+            argv = [str(SCRIPT), *map(os.fsdecode, argv)]  # sys.argv, as Python decodes bytes
+            batch.append((argv, str(HERE), str(stdin), str(stdout), str(stderr)))
+            files.append((argv[1:], stdout, stderr))
+        pickle.dump(batch, self.requests)
+        self.requests.flush()
+        statuses = self.receive(timeout * len(cases))
+        return [
+            subprocess.CompletedProcess(
+                argv, status, as_text(out.read_bytes()), as_text(self.startup + err.read_bytes())
+            )
+            for (argv, out, err), status in zip(files, statuses)
+        ]
+
+    def close(self):
+        self.requests.close()
+        try:
+            self.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.process.pid, signal.SIGKILL)  # its runs too
+            self.process.wait()
+        self.replies.close()
+        shutil.rmtree(self.folder)
+
+
+def as_text(data):
+    """Bytes as subprocess.run(text=True) gives them: universal newlines."""
+    return data.decode().replace("\r\n", "\n").replace("\r", "\n")
+
+
+server = None  # the module's ForkServer, started by its first run
+
+
+@pytest.fixture(scope="module", autouse=True)
+def close_the_fork_server():
+    yield
+    if server is not None:
+        server.close()
+
+
+def forked(options):
+    """Whether a run can be forked from the fork server: nothing of a fresh interpreter's asked."""
+    plain = options.get("script", SCRIPT) == SCRIPT and not options.get("env")
+    return plain and set(options) <= {"env", "input", "script", "timeout"}
+
+
+def cli_run(*argv, env=None, timeout=300, script=SCRIPT, **options):
+    """`python specexec.py ARGV` in a process of its own; returns the CompletedProcess. The
+    timeout only catches a hang; `options` go to subprocess.run (stdout=, preexec_fn=)."""
+    return cli_run_all([(argv, {"env": env, "timeout": timeout, "script": script, **options})])[0]
+
+
+def cli_run_all(cases):
+    """Several CLI runs at once: [(argv, options of cli_run)] -> [CompletedProcess]."""
+    global server
+    fork = [i for i, (_, options) in enumerate(cases) if forked(options)]
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        results = [
+            None if i in fork else pool.submit(started_run, *argv, **options)
+            for i, (argv, options) in enumerate(cases)
+        ]
+        if fork:
+            server = server or ForkServer()
+            timeout = max(cases[i][1].get("timeout", 300) for i in fork)
+            runs = server.run([(cases[i][0], cases[i][1].get("input")) for i in fork], timeout)
+            for i, result in zip(fork, runs):
+                results[i] = result
+        return [r if i in fork else r.result() for i, r in enumerate(results)]
+
+
+def started_run(*argv, env=None, timeout=300, script=SCRIPT, **options):
+    """`python specexec.py ARGV` in a fresh interpreter: subprocess.run's CompletedProcess."""
     options = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **options}
     return subprocess.run(
         [sys.executable, str(script), *argv], text=True, env=clean_env(**(env or {})),
         timeout=timeout, cwd=script.parent, **options,
     )  # fmt: skip
-
-
-def cli_run_all(cases):
-    """Several CLI runs at once (each one mostly imports torch): [(argv, options of cli_run)]."""
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        return list(pool.map(lambda case: cli_run(*case[0], **case[1]), cases))
 
 
 def check_errors(cases, written=""):
@@ -200,9 +387,11 @@ def test_bad_options_fail_in_one_line(tmp_path):
 def test_hub_id_offline_fails_fast(tmp_path):
     """A dead network costs one quick look, not the hub client's half minute of retries (which
     it announces); the timeout only catches a hang, so a slow machine does not fail this."""
-    no_hub = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path)}
-    for hub_id in ("nobody/no-such-model", "gpt2"):  # an id without an organisation is one too
-        result = cli_run("--target", hub_id, env=no_hub, timeout=600)
+    no_hub = {"env": {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path)}}
+    hub_ids = ("nobody/no-such-model", "gpt2")  # an id without an organisation is one too
+    for result in cli_run_all(
+        [(["--target", hub_id], {**no_hub, "timeout": 600}) for hub_id in hub_ids]
+    ):
         assert result.returncode == 2 and "127.0.0.1 cannot be reached" in result.stderr
         assert "local model folder" in result.stderr and "Retrying" not in result.stderr
 

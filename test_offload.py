@@ -1429,15 +1429,33 @@ def test_loading_errors_are_one_line(checkpoints, tmp_path, case, message):
     assert "\n" not in str(caught.value)
 
 
+@pytest.fixture
+def cli_state():
+    """What a run of the CLI in this process sets for the process, given back after it: torch's
+    threads, transformers' logging and progress bars, the Ctrl-C handler."""
+    import signal
+
+    from transformers.utils import logging as transformers_logging
+
+    threads, verbosity = torch.get_num_threads(), transformers_logging.get_verbosity()
+    bars, sigint = transformers_logging.is_progress_bar_enabled(), signal.getsignal(signal.SIGINT)
+    yield
+    torch.set_num_threads(threads)
+    transformers_logging.set_verbosity(verbosity)
+    if bars:
+        transformers_logging.enable_progress_bar()
+    signal.signal(signal.SIGINT, sigint)
+
+
 @pytest.mark.skipif(
     not (Path(__file__).parent / "models" / "target" / "config.json").exists(),
     reason="models/ not trained yet",
 )
 @pytest.mark.parametrize("mode", ["ram", "ssd"])
-def test_cli_runs_the_default_pair_offloaded(mode, tmp_path, capsys):
+def test_cli_runs_the_default_pair_offloaded(mode, tmp_path, capsys, cli_state):
     """`python specexec.py --offload ...` streams the target and reports the pass's bytes."""
     argv = ["--max-new-tokens", "12", "--offload", mode, "--offload-dir", str(tmp_path)]
-    cli.main(argv + ["--compare"])
+    cli.main(cli.parse_args(argv + ["--compare"]))
     out = capsys.readouterr().out
     assert f"offload ({mode}): 0 of 6 layers resident; the last target pass moved" in out
     assert "identical output" in out
