@@ -33,9 +33,9 @@ after each step, the target's KV cache holds `seq` without its last token (the r
 tree), the draft's a prefix of that; a model is first fed the part of `seq` its cache lacks (the
 "trunk"); the entries before a tree are its prefix (`n_prefix`). `speculative_step` asserts it.
 
-Top-down, as a run goes: options, draft tree, tree mask, verification and acceptance, the step,
-the loop, the plain baseline, what a run did. Below this file, specexec_tools/ (options and
-models checked, models loaded, budget "auto"); above it, specexec_app/ (the command line, chat).
+Top-down, as a run goes: options, draft tree, mask, verification and acceptance, the step, the
+loop and the plain baseline, what a run did. Below this file, specexec_tools/ (checks, loading,
+budget "auto"); above it, specexec_app/ (the command line, the conversation).
 """
 
 import heapq
@@ -95,9 +95,9 @@ from specexec_tools.models import ATTENTION_KERNELS, CACHE, attention_windows, p
 
 @dataclass
 class DraftTree:
-    """Every node found; node 0 is the root, the last token of `seq`. Two heaps of (sort key,
-    node): `candidates`, found but not yet fed to the draft, give up their best first
-    (`pop_candidates`); `best_nodes`, the `budget` best so far, their worst (`admit`)."""
+    """Every node found; node 0 is the root, the last token of `seq`. Two heaps of (key, node):
+    `candidates` (found, not yet fed to the draft) give up their best first, `best_nodes` (the
+    `budget` best so far) their worst."""
 
     tokens: list  # token of each node
     parents: list  # parent node of each node; -1 for the root
@@ -117,8 +117,7 @@ class DraftTree:
     def worst_first(self, node):  # the rank, reversed
         return (self.cum_logprob[node], -node)
 
-    def add_child(self, parent, token, logprob):
-        """A new node below `parent`, `logprob` below it; returns the node."""
+    def add_child(self, parent, token, logprob):  # a new node, `logprob` below its parent
         self.children[(parent, token)] = child = len(self.tokens)
         self.tokens.append(token)
         self.parents.append(parent)
@@ -397,9 +396,9 @@ def check_finite(logits, role):
 
 
 def keep_path(cache, nodes, path):
-    """Drop the tree from the cache but for `path`. The cache ends with an entry per node of
-    `nodes`; `DynamicCache.crop` only drops a suffix, so the path's entries move up to just after
-    the prefix first. The prefix is never copied: a step must not cost more as the text grows."""
+    """Drop the tree from the cache but for `path` (the cache ends with an entry per node of
+    `nodes`). `DynamicCache.crop` only drops a suffix, so the path's entries move up first; the
+    prefix is never copied: a step must not cost more as the text grows."""
     n_prefix = cache.get_seq_length() - len(nodes)
     position = {node: n_prefix + i for i, node in enumerate(nodes)}
     on_path = [position[node] for node in path if node in position]  # in order, each >= its slot
@@ -419,7 +418,7 @@ def keep_path(cache, nodes, path):
 
 @dataclass
 class Step:
-    """What one step did: the loop hands it to the policy and to Stats, nothing else."""
+    """What one step did, for the policy and Stats."""
 
     tokens: list  # the tokens it emitted: the accepted path's, then the bonus
     budget: int  # the budget it was given; 0: a plain step, no tree
@@ -538,9 +537,6 @@ def generate(target, draft, input_ids, *, eos_token_id=None, on_tokens=None, opt
     seq, limit, eos = preflight(target, draft, input_ids, eos_token_id)
     run = Run(target, draft, opts, limit)
     return decode_loop(run, seq, make_policy(opts, target, draft), eos, on_tokens)
-
-
-# ---- the plain baseline ----
 
 
 def autoregressive(model, input_ids, *, eos_token_id=None, on_tokens=None, opts=None, **options):
