@@ -449,7 +449,8 @@ class RamStorage(Storage):
 
     def fill(self, ckpt: "files.Checkpoint", shapes: dict, dtype, kind) -> None:
         """Every layer into the arena, quantized as `kind` says: the big read, done once."""
-        for i in tqdm(range(len(self.layouts)), desc="offload: loading layers into RAM"):
+        what = f"quantizing layers to {kind}" if kind else "loading layers"  # a self-draft: int4
+        for i in tqdm(range(len(self.layouts)), desc=f"offload: {what} in RAM"):
             views = self.layouts[i].views(self.buffers[i])
             for name, tensor in quant.quantize_layer(ckpt.layer(i, shapes), dtype, kind).items():
                 views[name].copy_(tensor)
@@ -619,8 +620,7 @@ class Dequantizing(Storage):
 def page_aligned(nbytes: int, device: torch.device) -> torch.Tensor:
     """(nbytes,) uint8 starting on a page boundary, where an O_DIRECT read may land."""
     raw = torch.empty(nbytes + PAGE, dtype=torch.uint8, device=device)
-    skip = -raw.data_ptr() % PAGE
-    return raw[skip : skip + nbytes]
+    return raw[(skip := -raw.data_ptr() % PAGE) : skip + nbytes]
 
 
 class Cpu:
