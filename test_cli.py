@@ -200,9 +200,13 @@ server = None  # the module's ForkServer, started by its first run
 
 @pytest.fixture(scope="module", autouse=True)
 def close_the_fork_server():
+    """The module's fork server closes with the module; the next module that runs the CLI
+    (test_hardening imports this fixture) starts its own."""
+    global server
     yield
     if server is not None:
         server.close()
+        server = None
 
 
 def forked(options):

@@ -25,7 +25,16 @@ import offload
 import specexec
 from conftest import tiny_model
 from specexec_app.chat import Chat
-from test_cli import HERE, PAIR, check_errors, clean_env, cli_run, edit_json, save_tiny
+from test_cli import (
+    HERE,
+    PAIR,
+    check_errors,
+    clean_env,
+    cli_run,
+    close_the_fork_server,  # noqa: F401  (this module's runs: a server too)
+    edit_json,
+    save_tiny,
+)
 
 needs_pair = pytest.mark.skipif(
     not (PAIR / "target" / "config.json").exists(), reason="models/ not trained yet"
