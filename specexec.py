@@ -447,7 +447,8 @@ def speculative_step(run, seq, budget, max_depth):
     with timed(run.target.device) as target_s:
         logits = verify(run, seq, tree, nodes)  # (1 + len(nodes), vocab)
         path, bonus = accept(tree, nodes, logits, run.opts, run.rng)
-    offered = {n for n in tree.looked_up & set(nodes) if tree.parents[n] in {0, *path}}
+    reached = {0, *path}  # lookup's nodes the target could have taken, and those it took
+    offered = {n for n in tree.looked_up & set(nodes) if tree.parents[n] in reached}
     run.lookup_taken, run.lookup_offered = (
         run.lookup_taken + len(offered & set(path)),
         run.lookup_offered + len(offered),
@@ -457,11 +458,12 @@ def speculative_step(run, seq, budget, max_depth):
     # `seq` and the path; the bonus, the next root, is in neither. Path nodes the draft never fed
     # (leaves, lookup's) join its next trunk.
     keep_path(run.target_cache, nodes, path)
-    n_seen, drafted = len(seq) + len(path), 0
-    if run.draft is not None:
+    n_seen = len(seq) + len(path)
+    assert run.target_cache.get_seq_length() == n_seen  # the invariant: the new seq but its last
+    if run.draft is not None and budget:  # the draft's: `seq`, then the path's fed nodes (a prefix)
         keep_path(run.draft_cache, tree.fed, path)
-        drafted = run.draft_cache.get_seq_length()
-    assert drafted <= run.target_cache.get_seq_length() == n_seen  # the invariant
+        fed = len(seq) + len(set(path) & set(tree.fed))
+        assert run.draft_cache.get_seq_length() == fed, (run.draft_cache.get_seq_length(), fed)
 
     tokens = [tree.tokens[node] for node in path] + [bonus]
     seconds = dict(draft_s=draft_s(), target_s=target_s(), total_s=time.perf_counter() - start)
