@@ -241,18 +241,15 @@ def run(args):
 
     # Everything is checked before any weight is read.
     target = models.open_model(args.target)
-    if args.draft == "none":  # lookup alone, or plain decoding
-        draft = None
-    elif args.self_draft:
-        draft = target
-    else:
+    draft = target if args.self_draft else None  # None: --draft none (lookup alone, or plain)
+    if draft is None and args.draft != "none":
         draft = models.open_model(args.draft)
-    tokenizers = [chat.load_tokenizer(target.folder, args.chat_template)]
+    tokenizer = chat.load_tokenizer(target.folder, args.chat_template)
     own = draft is None or args.self_draft  # ids must mean the same text in both
-    tokenizers.append(tokenizers[0] if own else chat.load_tokenizer(draft.folder))
+    tokenizers = [tokenizer, tokenizer if own else chat.load_tokenizer(draft.folder)]
     input_ids = None  # a chat without --prompt: its turns come later
     if args.prompt is not None:
-        input_ids = chat.tokenize(tokenizers[0], args.prompt, args.chat_template, target.folder)
+        input_ids = chat.tokenize(tokenizer, args.prompt, args.chat_template, target.folder)
     seq, limit, eos = models.preflight(target, draft, input_ids, None, tokenizers)
 
     dtype = torch.float32 if args.dtype == "auto" and device.type == "cpu" else None
@@ -261,32 +258,29 @@ def run(args):
         check_removable(target.checkpoint, dtype, args.quantize, args.offload_dir)
     largest = 1024 if opts.budget == "auto" else opts.budget  # auto's largest tree
     context = None if args.chat else len(seq) + opts.max_new_tokens + largest + 1  # the KV cache
-    loaded = []
+    loaded = [None, None]  # (target, draft) once loaded; the draft stays None with --draft none
     try:
-        for role, opened in ("target", target), ("draft", draft):
-            if opened is None:  # --draft none
-                loaded.append(None)
-            elif role == "draft" and args.self_draft:
-                loaded.append(offload.self_draft(opened, args.draft, device=device, dtype=dtype))
-            elif role == "target" and args.offload:
-                memory = None if args.device_memory is None else args.device_memory * 1e9
-                loaded.append(offload.from_pretrained(
-                    opened, mode=args.offload, device=device, dtype=dtype, quantize=args.quantize,
-                    offload_dir=args.offload_dir.expanduser(), device_memory=memory,
-                    context=context,
-                ))  # fmt: skip
-            else:
-                loaded.append(models.load(opened, device, dtype))
-        if args.chat:
-            conversation = chat.Chat(*loaded, opts)
-            chat.talk(conversation, tokenizers[0], target.folder, args, list(eos), Streamer, dim,
-                      summary)  # fmt: skip
+        if args.offload:
+            memory = None if args.device_memory is None else args.device_memory * 1e9
+            loaded[0] = offload.from_pretrained(
+                target, mode=args.offload, device=device, dtype=dtype, quantize=args.quantize,
+                offload_dir=args.offload_dir.expanduser(), device_memory=memory, context=context,
+            )  # fmt: skip
         else:
-            report(*loaded, tokenizers[0], seq, limit, eos, args, device)
+            loaded[0] = models.load(target, device, dtype)
+        if args.self_draft:
+            loaded[1] = offload.self_draft(target, args.draft, device=device, dtype=dtype)
+        elif draft is not None:
+            loaded[1] = models.load(draft, device, dtype)
+        if args.chat:
+            chat.talk(chat.Chat(*loaded, opts), tokenizer, target.folder, args, list(eos),
+                      Streamer, dim, summary)  # fmt: skip
+        else:
+            report(*loaded, tokenizer, seq, limit, eos, args, device)
     finally:
         for model in loaded:  # an offloaded one gives back its files, thread and pinned memory
             getattr(model, "close", lambda: None)()
-        said = loaded and args.offload and converted_copy(loaded[0], args.offload_clean)
+        said = args.offload and loaded[0] and converted_copy(loaded[0], args.offload_clean)
         if said:  # where the ssd tier's converted copy is, or that --offload-clean removed it
             hint = "" if args.offload_clean else "; --offload-clean removes it"
             print(f"offload: {said}{hint}", file=sys.stderr)
@@ -308,12 +302,10 @@ def report(target, draft, tokenizer, seq, limit, eos, args, device):
         specexec.generate(target, draft, seq, eos_token_id=eos, opts=warm)
         specexec.autoregressive(target, seq, eos_token_id=eos, opts=warm)
     # On a terminal the prompt is dim; in a file or pipe a line marks where the output starts.
-    tty = sys.stdout.isatty()
-    print(dim(tokenizer.decode(seq)), end="" if tty else "\n--- continuation ---\n", flush=True)
-    stream, run = Streamer(tokenizer), specexec.Run(target, draft, opts, limit)
-    tokens, stats = specexec.decode_loop(
-        run, list(seq), make_policy(opts, target, draft), eos, stream
-    )
+    end = "" if sys.stdout.isatty() else "\n--- continuation ---\n"
+    print(dim(tokenizer.decode(seq)), end=end, flush=True)
+    run, policy = specexec.Run(target, draft, opts, limit), make_policy(opts, target, draft)
+    tokens, stats = specexec.decode_loop(run, list(seq), policy, eos, Streamer(tokenizer))
     print("\n\n" + dim(f"specexec: {summary(stats)}"))
     if explained := why_plain(stats):
         print(dim(explained))
@@ -326,10 +318,8 @@ def report(target, draft, tokenizer, seq, limit, eos, args, device):
     quiet = sys.stderr is None or not sys.stderr.isatty()
     with tqdm(desc="plain decoding", total=opts.max_new_tokens, unit="token", disable=quiet,
               leave=False) as bar:  # fmt: skip
-        run = specexec.Run(target, None, opts, limit)
-        base_tokens, base = specexec.decode_loop(
-            run, list(seq), FixedBudget(0, 0), eos, lambda new: bar.update(len(new))
-        )
+        run, counted = specexec.Run(target, None, opts, limit), lambda new: bar.update(len(new))
+        base_tokens, base = specexec.decode_loop(run, list(seq), FixedBudget(0, 0), eos, counted)
     print(dim(f"plain decoding: {summary(base)}"))
     if base.new_tokens and stats.new_tokens:
         speedup = stats.tokens_per_second / base.tokens_per_second
@@ -379,13 +369,12 @@ def pick_device(name):
         device = torch.device(name)
     except RuntimeError as error:
         raise SpecExecError(f"--device {name}: {one_line(error)}") from None
-    if device.type == "cpu":
-        return device
-    backend = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu
-    if not (hasattr(backend, "is_available") and backend.is_available()):
-        raise SpecExecError(f"--device {name}: no {device.type} device here; use --device cpu")
-    if (device.index or 0) >= backend.device_count():
-        raise SpecExecError(f"--device {name}: only {backend.device_count()} here")
+    if device.type != "cpu":
+        backend = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu
+        if not (hasattr(backend, "is_available") and backend.is_available()):
+            raise SpecExecError(f"--device {name}: no {device.type} device here; use --device cpu")
+        if (device.index or 0) >= backend.device_count():
+            raise SpecExecError(f"--device {name}: only {backend.device_count()} here")
     return device
 
 
@@ -454,10 +443,9 @@ class Streamer:
     def __call__(self, tokens):
         self.ids += tokens
         text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return
-        print(text[self.printed :], end="", flush=True)
-        self.printed = len(text)
+        if not text.endswith("\ufffd"):  # else wait for the character's next bytes
+            print(text[self.printed :], end="", flush=True)
+            self.printed = len(text)
 
 
 # ---- entry point ----
@@ -467,8 +455,7 @@ def main(args=None):
     """The command line: `args` parsed already (`python specexec.py` read them before torch
     loaded), or a list of strings, or None for sys.argv (the `specexec` command)."""
     signal.signal(signal.SIGINT, signal.default_int_handler)  # read_flags' quick exit, undone
-    parsed = isinstance(args, argparse.Namespace)
-    handled(lambda: run(args if parsed else parse_args(args)))
+    handled(lambda: run(args if isinstance(args, argparse.Namespace) else parse_args(args)))
 
 
 def handled(work):

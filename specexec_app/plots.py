@@ -10,8 +10,6 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 STYLE = {
-    "figure.dpi": 100,
-    "font.size": 10,
     "axes.titlesize": 11,
     "legend.fontsize": 9,
     "legend.frameon": False,
@@ -121,7 +119,7 @@ def plot_draft_tree(tree, kept, pass_of, tokenizer, opts):
 def plot_mask(mask, positions, cached_tail, tree_tokens):
     """The mask's last len(cached_tail) cached columns and every tree row and column, one query
     row (the deepest node) coloured by why it may look at each key."""
-    n_tree, shown = len(tree_tokens), len(cached_tail)
+    n_tree, shown, n_cached = len(tree_tokens), len(cached_tail), mask.shape[-1] - len(tree_tokens)
     visible = (mask[0, 0, :, -(shown + n_tree) :] == 0).int()  # (n_tree, shown + n_tree)
     row = int(positions[0].argmax())  # the deepest node
     image = visible.clone()  # 0 masked, 1 visible; the annotated row: 2 prefix, 3 ancestor, 4 self
@@ -138,7 +136,6 @@ def plot_mask(mask, positions, cached_tail, tree_tokens):
     rows = [f"{token} @{p}" for token, p in zip(tree_tokens, positions[0].tolist())]
     ax.set_yticks([y + 0.5 for y in range(n_tree)], rows, family="monospace")
     ax.axvline(shown, color="black", lw=1.5)
-    n_cached = mask.shape[-1] - n_tree
     ax.set_xlabel(f"keys: the last {shown} of {n_cached} cached tokens | the root and kept nodes")
     ax.set_ylabel("queries: the root and kept nodes, @ position id")
     names = ["may attend", "prefix (the cache)", "its ancestors", "itself"]
@@ -215,7 +212,6 @@ def plot_cost_model(passes, cost, measured, predicted, choice, title):
     # The gain and the speed against the budget on a log scale, plain decoding (no tree) at 0
     x = lambda budget: 1 + math.log2(budget) if budget else 0
     budgets = sorted(b for b in measured if b != "auto")
-    shown = sorted({*budgets, *predicted})
     panels = [
         (middle, "tokens_per_step", "tokens per target pass", "Gain: tokens per step"),
         (right, "tokens_per_second", "tokens per second", "Speed: tokens/s, this CPU, in memory"),
@@ -226,7 +222,7 @@ def plot_cost_model(passes, cost, measured, predicted, choice, title):
         ys = [p[i] for p in predicted.values()]
         label = "predicted by the cost model (depth 16, or b)"
         ax.plot([x(b) for b in predicted], ys, "s--", color="tab:blue", label=label)
-        ax.set_xticks([x(b) for b in shown], [str(b) if b else "plain" for b in shown])
+        ax.set_xticks([x(b) for b in budgets], [str(b) if b else "plain" for b in budgets])
         ax.set(xlabel="budget (0: plain decoding)", ylabel=ylabel, title=title, ylim=(0, None))
     auto = measured["auto"]
     right.axhline(auto.tokens_per_second, color="tab:red", ls=":", label="auto, measured")
