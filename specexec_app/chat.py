@@ -73,12 +73,12 @@ def crop(cache, n):
 def talk(chat, tokenizer, folder, args, eos, stream, dim, summary):
     """Read turns and answer each (`args`: the CLI's; --prompt is the first turn, `folder` the
     target's); `stream(tokenizer)` prints one answer as it comes, `dim` dims the figures on a
-    terminal, `summary` words a run. Returns the number of turns answered."""
+    terminal, `summary` words a run."""
     if tokenizer.chat_template is None or args.chat_template == "off":
         how = "told to use no" if args.chat_template == "off" else "no"
         print(dim(f"chat: {folder}: {how} chat template; each turn goes on a new line after "
                   "the text so far"))  # fmt: skip
-    messages, answered = [], 0
+    messages = []
     for turn in turns(args.prompt):
         if turn == "/new":
             messages = []
@@ -90,19 +90,15 @@ def talk(chat, tokenizer, folder, args, eos, stream, dim, summary):
             tokens, stats = chat.generate(input_ids, eos_token_id=eos, on_tokens=stream(tokenizer))
             answer = tokenizer.decode(tokens, skip_special_tokens=True)
             print("\n" + dim(f"specexec: {summary(stats)}"), flush=True)
+            messages.append({"role": "assistant", "content": answer})
         except SpecExecError as error:  # this turn, refused; the conversation goes on
             messages.pop()
             if "the context holds" in str(error):
                 error = f"{error}: send a shorter turn, or /new to start over"
             print(f"error: {error}", file=sys.stderr, flush=True)
-            continue
         except KeyboardInterrupt:  # Ctrl-C stops this answer: as if the turn was never sent
             messages.pop()
             print("\n" + dim("chat: answer stopped; the turn is dropped"), flush=True)
-            continue
-        messages.append({"role": "assistant", "content": answer})
-        answered += 1
-    return answered
 
 
 def turns(first=None):
@@ -118,11 +114,9 @@ def turns(first=None):
     while True:
         try:  # Ctrl-C while a turn is read (at the prompt, or as it is echoed) ends the chat
             line = input("> ") if terminal else sys.stdin.readline()
-            if not terminal and not line:  # the pipe's end
+            if line.strip() == "/exit" or not (terminal or line):  # /exit, or the pipe's end
                 return
             line = line.rstrip("\r\n")
-            if line.strip() == "/exit":
-                return
             if not line.strip():
                 continue
             if not terminal:  # a long turn cut; bytes that are not text as escapes, not sent

@@ -280,10 +280,9 @@ def run(args):
     finally:
         for model in loaded:  # an offloaded one gives back its files, thread and pinned memory
             getattr(model, "close", lambda: None)()
-        said = args.offload and loaded[0] and converted_copy(loaded[0], args.offload_clean)
-        if said:  # where the ssd tier's converted copy is, or that --offload-clean removed it
-            hint = "" if args.offload_clean else "; --offload-clean removes it"
-            print(f"offload: {said}{hint}", file=sys.stderr)
+        # where the ssd tier's converted copy is, or that --offload-clean removed it
+        if said := args.offload and loaded[0] and converted_copy(loaded[0], args.offload_clean):
+            print(f"offload: {said}", file=sys.stderr)
 
 
 def report(target, draft, tokenizer, seq, limit, eos, args, device):
@@ -386,7 +385,8 @@ def converted_copy(model, remove):
         return None
     if not remove:
         size = sum(f.stat().st_size for f in folder.iterdir()) / 1e9
-        return f"a converted copy ({size:.2f} GB) stays in {folder} for the next run"
+        stays = f"a converted copy ({size:.2f} GB) stays in {folder} for the next run"
+        return stays + "; --offload-clean removes it"
     try:
         shutil.rmtree(folder)
     except OSError as error:

@@ -94,12 +94,11 @@ def plot_draft_tree(tree, kept, pass_of, tokenizer, opts):
     ticks = [t for t in (0.001, 0.003, 0.01, 0.03, 0.1, 0.2, 0.3, 0.5, 1) if t >= norm.vmin]
     bar.set_ticks(ticks, labels=[f"{t:g}" for t in ticks])
     bar.minorticks_off()
-    badge = dict(bbox=dict(boxstyle="circle,pad=0.2", fc="white", ec="crimson", lw=0.8), zorder=4)
-    badge |= dict(color="crimson", weight="bold", fontsize=8, **CENTRED)
-    badge |= dict(xytext=(-3, -3), textcoords="offset points")  # just outside the corner
-    for node, number in pass_of.items():  # at a box's bottom-left corner, or a dropped dot
+    badge = dict(color="crimson", weight="bold", fontsize=8, zorder=4, textcoords="offset points")
+    badge |= dict(bbox=dict(boxstyle="circle,pad=0.2", fc="white", ec="crimson", lw=0.8), **CENTRED)
+    for node, number in pass_of.items():  # just off a box's bottom-left corner, or a dropped dot
         at = dict(xy=(0, 0), xycoords=boxes[node]) if node in boxes else dict(xy=pos[node])
-        ax.annotate(number, **at, **badge)
+        ax.annotate(number, **at, xytext=(-3, -3), **badge)
     legend = [
         Line2D([], [], marker="s", ls="", mfc=cmap(0.5), mec="black", ms=9, label="kept node"),
         Line2D([], [], marker="o", ls=":", color="0.65", ms=4, label="found, dropped"),
@@ -159,14 +158,13 @@ def plot_verification(tree, kept, logits, path, bonus, tokenizer):
     pos["bonus"] = (pos[walk[-1]][0] + 1, max(y for _, y in pos.values()) + 1)
     fig, ax = plt.subplots(figsize=(11, 6.4))
     boxes, _, _ = draw_tree(ax, tree, kept_set, pos, tokenizer, only=set(walk))
-    for node in walk:
-        boxes[node].get_bbox_patch().set(lw=2, ec="crimson")
     ax.plot(*zip(*[pos[node] for node in walk]), color="crimson", lw=4, zorder=2)
     ax.plot(*zip(pos[walk[-1]], pos["bonus"]), color="darkorange", lw=3, ls="--", zorder=2)
     token_box(ax, pos["bonus"], show(tokenizer, bonus), fc="gold", ec="darkorange", lw=2)
     # Above the tree, one column per depth: the target's pick at the path's node of that depth
     top = min(y for _, y in pos.values()) - 1.6
     for node in walk:
+        boxes[node].get_bbox_patch().set(lw=2, ec="crimson")  # the walk's nodes outlined
         pick, found = show(tokenizer, int(logits[row_of[node]].argmax())), node != walk[-1]
         mark, ink = ("✓", "darkgreen") if found else ("✗", "darkorange")
         ax.text(pos[node][0], top, f"picks\n{pick} {mark}", weight="bold", color=ink, **CENTRED)
