@@ -161,25 +161,26 @@ class DraftTree:
 
     def add_lookup(self, chains, logprob, deepest):
         """Lookup's chains as branches from the root, each token `logprob` below its parent (how
-        often the run's lookup nodes were taken), no deeper than `deepest`; a token the draft
-        found there keeps its node, ranked the higher. They compete for the budget as the
-        draft's nodes do."""
-        best = {node for _, node in self.best_nodes}
+        often lookup's proposals were taken), no deeper than `deepest`; a token the draft found
+        there keeps its node, ranked the higher. They compete for the budget as the draft's nodes
+        do. Returns the nodes the chains proposed, the draft's among them."""
+        best, proposed = {node for _, node in self.best_nodes}, set()
         for chain in chains:
             node = 0
             for token in chain[:deepest]:
                 child = self.children.get((node, token))
-                if child in best:  # the draft's node, or an earlier chain's: on to its child
-                    node = child
-                    continue
-                if child is None:
-                    child = self.add_child(node, token, logprob)
-                    self.looked_up.add(child)
-                cum = self.cum_logprob[node] + logprob  # below its parent's, as a draft child's
-                self.cum_logprob[child] = max(self.cum_logprob[child], cum)
-                if (out := self.admit(child)) == child:  # out of the budget: the chain's rest too
-                    break
-                best, node = best - {out} | {child}, child
+                if child not in best:  # else the draft's node, or an earlier chain's
+                    if child is None:
+                        child = self.add_child(node, token, logprob)
+                        self.looked_up.add(child)
+                    cum = self.cum_logprob[node] + logprob  # below its parent's, as a draft child's
+                    self.cum_logprob[child] = max(self.cum_logprob[child], cum)
+                    if (out := self.admit(child)) == child:  # out of the budget: the rest too
+                        break
+                    best = best - {out} | {child}
+                proposed.add(child)
+                node = child
+        return proposed
 
     def best(self):
         """The `budget` most probable nodes but the root, parents first: what the target verifies.
@@ -439,20 +440,20 @@ def speculative_step(run, seq, budget, max_depth):
     start = time.perf_counter()
     with timed(run.draft.device if run.draft else "cpu", budget and run.draft_threads) as draft_s:
         tree = grow_tree(run, seq, budget, max_depth, run.opts.width, run.opts.branch)
-        if budget and run.opts.lookup:  # lookup's nodes ranked by how often the run's were taken
+        proposed = set()  # lookup's nodes ranked by how often its proposals were taken, so far
+        if budget and run.opts.lookup:
             taken = math.log(run.lookup_taken / run.lookup_offered)
-            tree.add_lookup(lookup_chains(seq, run.opts.lookup), taken, run.limit - len(seq))
+            chains = lookup_chains(seq, run.opts.lookup)
+            proposed = tree.add_lookup(chains, taken, run.limit - len(seq))
         nodes = tree.best()
     n_fed = len(seq) - run.target_cache.get_seq_length() + len(nodes)  # trunk and tree
     with timed(run.target.device) as target_s:
         logits = verify(run, seq, tree, nodes)  # (1 + len(nodes), vocab)
         path, bonus = accept(tree, nodes, logits, run.opts, run.rng)
-    reached = {0, *path}  # lookup's nodes the target could have taken, and those it took
-    offered = {n for n in tree.looked_up & set(nodes) if tree.parents[n] in reached}
-    run.lookup_taken, run.lookup_offered = (
-        run.lookup_taken + len(offered & set(path)),
-        run.lookup_offered + len(offered),
-    )
+    # Lookup's proposals the target could take (their parent reached), and those it took
+    offered = {node for node in proposed & set(nodes) if tree.parents[node] in {0, *path}}
+    run.lookup_taken += len(offered & set(path))
+    run.lookup_offered += len(offered)
 
     # Both caches hold `seq`, then the verified nodes (target) or the fed ones (draft): keep
     # `seq` and the path; the bonus, the next root, is in neither. Path nodes the draft never fed
@@ -476,8 +477,8 @@ def speculative_step(run, seq, budget, max_depth):
 @dataclass
 class Run:
     """One generation's state: models and caches, options, the random numbers of the picks, what
-    is found once (attention windows, the draft's threads), how often lookup's nodes were taken
-    when the target could take them (1 of 2 to start)."""
+    is found once (attention windows, the draft's threads), how often lookup's proposals were
+    taken when the target could take them (1 of 2 to start)."""
 
     target: object  # any causal LM with Hugging Face's call signature (offload.py's too)
     draft: object | None  # None: plain decoding, or lookup's trees alone
