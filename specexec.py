@@ -196,12 +196,9 @@ class DraftTree:
 
 
 def grow_tree(run, seq, budget, max_depth, width, branch):
-    """Best-first search for the `budget` most probable continuations of `seq`.
-
-    Each draft pass takes the `width` best candidates (nodes found, not yet fed), runs them in
-    one tree-masked batch after the cache (the prefix and every node fed before), and adds each
-    one's `branch` best children. At most `max_depth` passes, fewer near the end of the context.
-    """
+    """Best-first search for the `budget` most probable continuations of `seq`: each draft pass
+    runs the `width` best candidates (found, not yet fed) in one tree-masked batch after the cache
+    and adds each one's `branch` best children; at most `max_depth` passes."""
     draft, cache, windows = run.draft, run.draft_cache, run.draft_windows
     tree = DraftTree(tokens=[seq[-1]], parents=[-1], cum_logprob=[0.0], depth=[0], budget=budget)
     if draft is None or not budget:  # lookup alone, or plain decoding
@@ -249,13 +246,11 @@ def tree_mask(parents, n_prefix, dtype, device, window=None, n_new=None):
     """Additive attention mask and position ids for `len(parents)` tree tokens after `n_prefix`.
 
     parents[i] < i is token i's parent among the tree tokens, or -1: the last prefix token.
-    Token i may look at the prefix, its ancestors and itself (a chain [-1, 0, 1, ...] gives a
-    causal mask), and with a sliding `window` no further back than `window - 1` positions. Only
-    the last `n_new` rows are made (a draft pass feeds a few nodes below those in its cache).
-    Returns mask (1, 1, n_new, n_prefix + n), 0 = may look, finfo.min = may not (an additive
-    float: Hugging Face passes a 4D mask as it is, and eager attention would misread booleans),
-    and position ids (1, n_new) = n_prefix + depth.
-    """
+    Token i sees the prefix, its ancestors and itself (a chain [-1, 0, 1, ...]: a causal mask),
+    with a sliding `window` no further back than `window - 1` positions; only the last `n_new`
+    rows are made (a draft pass feeds a few nodes below those in its cache). Returns the mask
+    (1, 1, n_new, n_prefix + n), additive floats (0 / finfo.min: Hugging Face passes a 4D mask
+    as it is, and eager attention would misread booleans), and position ids (1, n_new)."""
     n = len(parents)
     new = slice(n - (n if n_new is None else n_new), n)  # the rows asked for
     parent = torch.tensor(parents, dtype=torch.long)  # (n,)
@@ -307,10 +302,9 @@ def tree_forward(model, cache, windows, tokens, parents, n_logits=0):
     """Run new `tokens` after the cache, as the last nodes of the tree `parents`; the logits of
     the last `n_logits` (0: all; a prompt's rows would cost as much as a few layers).
 
-    One call serves the prompt (a chain), each draft pass and the verification. `parents` may
-    start with nodes fed earlier, the cache's last entries. `windows` (found once per run): how
-    far back each layer type looks; the cache keeps every entry, so runs past a window are exact.
-    """
+    One call serves the prompt (a chain), each draft pass and the verification; `parents` may
+    start with nodes fed earlier (the cache's last entries). `windows`: how far back each layer
+    type looks; the cache keeps every entry, so runs past a window are exact."""
     n_prefix = cache.get_seq_length() - (len(parents) - len(tokens))  # entries before the tree
     rows = dict(dtype=model.dtype, device=model.device, n_new=len(tokens))
     masks = {}  # layer type -> (1, 1, n, n_prefix + len(parents)) mask; None: every layer
@@ -529,12 +523,11 @@ def decode_loop(run, seq, policy, eos, on_tokens=None):
 
 
 def generate(target, draft, input_ids, *, eos_token_id=None, on_tokens=None, opts=None, **options):
-    """SpecExec decoding. Returns (new_tokens, Stats); the target alone would emit the same.
+    """SpecExec decoding: (new_tokens, Stats), the tokens the target alone would emit.
 
-    input_ids: list of ints or a LongTensor (1, n). draft: a model, or None with `lookup` (trees
-    of lookup's branches alone). opts: an `Options`, or its fields as keyword arguments.
-    eos_token_id: an int or a list; by default the target's generation config's; [] = none.
-    on_tokens(list[int]) is called with each step's accepted tokens (for streaming).
+    input_ids: ints or a LongTensor (1, n). draft: a model, or None (with `lookup`: its trees
+    alone). opts: an `Options`, or its fields as keywords. eos_token_id: an int or a list (the
+    target's generation config's by default; [] = none). on_tokens(list) gets each step's tokens.
     """
     opts = as_options(opts, options, on_tokens)
     seq, limit, eos = preflight(target, draft, input_ids, eos_token_id)
