@@ -42,8 +42,7 @@ import weakref
 from collections import deque, namedtuple
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
-from typing import NamedTuple, Self
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -113,10 +112,7 @@ class OffloadedCausalLM(nn.Module):
         return out
 
     close = lambda self: self.finalizer()  # a second call does nothing
-    __exit__ = lambda self, *exc: self.close()
-
-    def __enter__(self) -> Self:
-        return self
+    __enter__, __exit__ = lambda self: self, lambda self, *exc: self.close()
 
 
 @dataclass
@@ -247,10 +243,8 @@ def from_pretrained(
             undo.callback(storage.close)
             storage.fill(ckpt, shapes, dtype, quantize)
         else:  # the checkpoint's own files where they fit, else a converted copy
-            where, converted = files.ssd_layers(
-                ckpt, shapes, n_layers, dtype, quantize, offload_dir
-            )
-            storage = SsdStorage(where, ops)
+            at, converted = files.ssd_layers(ckpt, shapes, n_layers, dtype, quantize, offload_dir)
+            storage = SsdStorage(at, ops)
             undo.callback(storage.close)
         assert max(layout.nbytes for layout in storage.layouts) <= sizes.moved, "outgrows a slot"
         if quantize is not None:  # a slot also holds the layer's dequantized weights
@@ -375,10 +369,8 @@ class LayerRing:
         return self.slots[load.slot]
 
     def release(self) -> None:
-        """The slot may be refilled once the compute queued so far has run (an exception too)."""
-        if self.in_use is not None:
-            self.freed[self.in_use.slot] = self.ops.record("compute")
-            self.in_use = None
+        """The slot in use may be refilled once the compute queued so far has run."""
+        self.freed[self.in_use.slot], self.in_use = self.ops.record("compute"), None
 
     def drain(self) -> None:
         """Let loads in flight finish and forget them: the next pass starts cold."""
@@ -466,14 +458,8 @@ class RamStorage(Storage):
             self.arena, self.buffers = None, []
 
 
-@dataclass
-class Read:
-    """One pread: `nbytes` of `path` from `file_offset` (whole pages asked) to `buffer_offset`."""
-
-    path: Path
-    file_offset: int
-    nbytes: int
-    buffer_offset: int
+# One pread: `nbytes` of `path` from `file_offset` (whole pages asked) to `buffer_offset`
+Read = namedtuple("Read", "path file_offset nbytes buffer_offset")
 
 
 def plan_reads(entries: dict[str, files.Entry]) -> tuple[Layout, list[Read]]:
@@ -486,9 +472,8 @@ def plan_reads(entries: dict[str, files.Entry]) -> tuple[Layout, list[Read]]:
         covered = last.file_offset + round_up(last.nbytes) if last else 0  # the range's file end
         if not (last and last.path == entry.path and entry.start <= covered):  # a new range
             end = last.buffer_offset + round_up(last.nbytes) if last else 0  # its buffer end
-            last = Read(entry.path, entry.start // PAGE * PAGE, 0, end)
-            reads.append(last)
-        last.nbytes = entry.end - last.file_offset
+            reads.append(Read(entry.path, entry.start // PAGE * PAGE, 0, end))
+        last = reads[-1] = reads[-1]._replace(nbytes=entry.end - reads[-1].file_offset)
         offset = last.buffer_offset + entry.start - last.file_offset
         tensors[name] = TensorSpec(offset, entry.dtype, entry.shape)
     return Layout(tensors, reads[-1].buffer_offset + round_up(reads[-1].nbytes)), reads

@@ -53,8 +53,7 @@ def pread_into(fd: int, buffer: torch.Tensor, file_offset: int, path: Path, need
         try:
             got = os.preadv(fd, [target[done:]], file_offset + done)
         except OSError as err:
-            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-            direct = getattr(os, "O_DIRECT", 0)
+            flags, direct = fcntl.fcntl(fd, fcntl.F_GETFL), getattr(os, "O_DIRECT", 0)
             if err.errno != errno.EINVAL or not flags & direct:
                 raise OffloadError(f"cannot read {path}: {err.strerror or err}") from None
             # a filesystem that took O_DIRECT at open and refuses the read (or a short read
@@ -100,18 +99,14 @@ def read_header(path: Path) -> dict[str, Entry]:
             }
         except (ValueError, KeyError, TypeError, AttributeError):
             raise OffloadError(f"corrupt safetensors shard {path}: header is not one") from None
-    entries = {}
+    entries, base = {}, 8 + length  # the header's offsets count from its end
     for name, (dtype, (start, end), shape) in infos.items():
         if dtype not in DTYPES:
             raise OffloadError(f"{path}: tensor {name} has unsupported dtype {dtype}")
-        entries[name] = Entry(
-            path, DTYPES[dtype], tuple(shape), 8 + length + start, 8 + length + end
-        )
-    needed = max((entry.end for entry in entries.values()), default=0)
-    if needed > size:
-        raise OffloadError(
-            f"truncated safetensors shard {path}: {size} bytes, header says {needed}"
-        )
+        entries[name] = Entry(path, DTYPES[dtype], tuple(shape), base + start, base + end)
+    last = max((entry.end for entry in entries.values()), default=0)
+    if last > size:
+        raise OffloadError(f"truncated safetensors shard {path}: {size} bytes, header says {last}")
     return entries
 
 
@@ -166,19 +161,16 @@ class Checkpoint:
         (gate; up) x hidden) and converts as it loads, by rules it keeps per family. We follow
         the same rules, one layer at a time: `tensor` builds a stacked tensor from its sources.
         """
+        import transformers.core_model_loading as loading
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (
-            WeightConverter,
-            dot_natural_key,
-            rename_source_key,
-        )
 
         self.sources = {}  # named again for this model
         rules = get_model_conversion_mapping(model)
-        converters = [rule for rule in rules if isinstance(rule, WeightConverter)]
-        renamings = [rule for rule in rules if not isinstance(rule, WeightConverter)]
-        for key in sorted([*self.entries, *self.mapped], key=dot_natural_key):  # expert 2 < 10
-            name, pattern = rename_source_key(key, renamings, converters)
+        converters = [rule for rule in rules if isinstance(rule, loading.WeightConverter)]
+        renamings = [rule for rule in rules if not isinstance(rule, loading.WeightConverter)]
+        # in natural order: expert 2 before expert 10
+        for key in sorted([*self.entries, *self.mapped], key=loading.dot_natural_key):
+            name, pattern = loading.rename_source_key(key, renamings, converters)
             if name != key:  # model name -> (its rule, [(stored name, the rule's pattern)])
                 rule = next((c for c in converters if pattern in c.source_patterns), None)
                 self.sources.setdefault(name, (rule, []))[1].append((key, pattern))
@@ -187,9 +179,7 @@ class Checkpoint:
         """One tensor as the checkpoint stores it, on the host."""
         if name in self.mapped:
             return self.mapped[name]
-        if name not in self.entries:
-            raise OffloadError(f"{self.folder}: the checkpoint has no tensor {name}")
-        entry = self.entries[name]
+        entry = self.entries[name]  # a name `tensor` found in its spec
         found = torch.empty(entry.end - entry.start, dtype=torch.uint8)  # (nbytes,)
         with open(entry.path, "rb") as file:
             pread_into(file.fileno(), found, entry.start, entry.path)
@@ -214,18 +204,12 @@ class Checkpoint:
     def spec(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
         """Stored dtype and shape of one tensor."""
         if name in self.sources:  # built by a rule: its sources' dtype, its shape from meta ones
-            first_source = self.sources[name][1][0][0]
             found = self.convert(name, lambda key: torch.empty(self.spec(key)[1], device="meta"))
-            return self.spec(first_source)[0], tuple(found.shape)
-        if name in self.entries:
-            return self.entries[name].dtype, self.entries[name].shape
-        if name in self.mapped:
-            return self.mapped[name].dtype, tuple(self.mapped[name].shape)
-        raise OffloadError(f"{self.folder}: the checkpoint has no tensor {name}")
-
-    def check(self, name: str, shape: tuple[int, ...]) -> None:
-        if (found := self.spec(name)[1]) != tuple(shape):
-            raise OffloadError(f"{self.folder}: {name} has shape {found}, config wants {shape}")
+            return self.spec(self.sources[name][1][0][0])[0], tuple(found.shape)
+        found = self.entries.get(name) or self.mapped.get(name)  # an Entry or a tensor
+        if found is None:
+            raise OffloadError(f"{self.folder}: the checkpoint has no tensor {name}")
+        return found.dtype, tuple(found.shape)
 
     def check_layers(self, model, kind: str | None = None) -> dict[str, tuple[int, ...]]:
         """What a decoder layer of `model` (a meta skeleton) holds, name -> shape, once every
@@ -236,23 +220,24 @@ class Checkpoint:
             family = model.config.model_type
             raise OffloadError(f"{self.folder}: {family} has no decoder layers at model.layers")
         shapes = {name: tuple(p.shape) for name, p in layers[0].named_parameters()}
-        for i in range(len(layers)):
-            for name, shape in shapes.items():
-                self.check(f"model.layers.{i}.{name}", shape)
+        every = {f"model.layers.{i}.{n}": s for i in range(len(layers)) for n, s in shapes.items()}
+        for name, shape in every.items():
+            if (found := self.spec(name)[1]) != shape:
+                raise OffloadError(f"{self.folder}: {name} has shape {found}, config wants {shape}")
         try:  # quantize.py's arithmetic refuses with a ValueError; here it is a one-line error
             quantize.stored_layer(shapes, torch.float32, kind)
         except ValueError as err:
             raise OffloadError(str(err)) from None
         return shapes
 
-    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """One tensor on the host, in its stored dtype; the model's name (see `name_as`).
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor on the host, in its stored dtype; the model's name (see `name_as`); its shape
+        is the one check_weights found the model asks for.
 
         Checked finite as it is read: a NaN or inf weight would otherwise surface as non-finite
         logits of whatever computes with it first, a quantized copy as draft, say, which is then
         blamed for the checkpoint's fault. (Every tensor read here is read whole anyway: into
         memory, into RAM for the offloader, or into a converted copy.)"""
-        self.check(name, tuple(shape))
         found = self.convert(name, self.stored) if name in self.sources else self.stored(name)
         # A sum is NaN or inf iff an element is; in float64 no finite weight overflows it
         if found.is_floating_point() and not math.isfinite(found.sum(dtype=torch.float64)):
@@ -272,7 +257,7 @@ class Checkpoint:
 
     def layer(self, i: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
         """Decoder layer i's tensors, by their names inside the layer, in their stored dtypes."""
-        return {name: self.tensor(f"model.layers.{i}.{name}", s) for name, s in shapes.items()}
+        return {name: self.tensor(f"model.layers.{i}.{name}") for name in shapes}
 
     def fingerprint(self) -> str:
         """Changes when the checkpoint's files do: an older offload folder is then not reused.
@@ -280,10 +265,8 @@ class Checkpoint:
         The change time (ctime) too, not only the modification time: `touch -r`, `cp -p`,
         `rsync -a` and `tar x` restore a replaced file's mtime, but no user can set its ctime,
         which every write (and every such restore) moves on."""
-        stamps = []
-        for shard in self.shards:
-            stat = shard.stat()
-            stamps.append((shard.name, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns))
+        stats = zip(self.shards, map(os.stat, self.shards))
+        stamps = [(shard.name, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for shard, s in stats]
         return hashlib.sha1(repr((str(self.folder.resolve()), stamps)).encode()).hexdigest()[:12]
 
 
@@ -309,7 +292,7 @@ def check_weights(ckpt: Checkpoint, model: torch.nn.Module) -> None:
         del want[HEAD]
         if HEAD in have and not (
             have[HEAD] == have.get(EMBEDDING)
-            and torch.equal(ckpt.tensor(HEAD, have[HEAD]), ckpt.tensor(EMBEDDING, have[HEAD]))
+            and torch.equal(ckpt.tensor(HEAD), ckpt.tensor(EMBEDDING))
         ):
             raise OffloadError(
                 f"{ckpt.folder}: config.json ties lm_head to the embedding (tie_word_embeddings), "
@@ -415,8 +398,7 @@ def convert(ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, offload_dir, k
     if offload_dir is None:
         raise OffloadError(f"{ckpt.folder} needs a one-time conversion for ssd; pass offload_dir")
     folder = copy_folder(ckpt, dtype, kind, offload_dir)  # "~/copies": in the home folder
-    offload_dir, label = folder.parent, copy_label(dtype, kind)
-    dtype_name = str(dtype).removeprefix("torch.")
+    offload_dir, dtype_name = folder.parent, str(dtype).removeprefix("torch.")
     manifest = {"source": str(ckpt.folder.resolve()), "dtype": dtype_name, "layers": n_layers}
     manifest["quantize"] = kind
     files = layer_files(folder, n_layers)
@@ -428,8 +410,16 @@ def convert(ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, offload_dir, k
                 return folder  # converted by an earlier run
             stored = quantize.stored_layer(shapes, dtype, kind)  # meta: dtypes and shapes
             nbytes = len(files) * sum(t.nbytes for t in stored.values())
-            size = f"{nbytes / 1e9:.2f} GB {label}"
-            check_space(offload_dir, folder, nbytes + len(files) * 2**16)  # 64 KiB: a header
+            size = f"{nbytes / 1e9:.2f} GB {copy_label(dtype, kind)}"
+            # Refused before the first byte (a full disk would stop it part-way, after minutes of
+            # writing); a damaged copy's files count as room, being replaced. 64 KiB: a header
+            needed = nbytes + len(files) * 2**16
+            held = sum(f.stat().st_size for f in folder.glob("*") if f.is_file())  # none: 0
+            if needed > (free := shutil.disk_usage(offload_dir).free + held):
+                raise OffloadError(
+                    f"the converted copy needs {needed / 1e9:.3g} GB, but {offload_dir} has "
+                    f"{free / 1e9:.3g} GB free: free space there or choose another --offload-dir"
+                )
             if damage:
                 say = f"the {size} copy in {folder} is damaged ({damage}); writing it again"
             else:
@@ -442,19 +432,6 @@ def convert(ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, offload_dir, k
     except OSError as err:
         raise OffloadError(f"cannot write offload folder {folder}: {err.strerror or err}") from None
     return folder
-
-
-def check_space(offload_dir: Path, folder: Path, needed: int) -> None:
-    """Refuse a copy of `needed` bytes that `offload_dir` has no room for, before its first byte
-    (a full disk would stop it part-way, after minutes of writing); a damaged copy's files in
-    `folder` count as room, being replaced."""
-    held = sum(f.stat().st_size for f in folder.iterdir() if f.is_file()) if folder.is_dir() else 0
-    free = shutil.disk_usage(offload_dir).free + held
-    if needed > free:
-        raise OffloadError(
-            f"the converted copy needs {needed / 1e9:.3g} GB, but {offload_dir} has "
-            f"{free / 1e9:.3g} GB free: free space there or choose another --offload-dir"
-        )
 
 
 @contextmanager
@@ -511,54 +488,44 @@ def sha256(path: Path) -> str:
 
 
 def write_copy(ckpt, shapes, dtype, kind, folder: Path, manifest: dict, files: list[Path]):
-    """Convert every layer into its file, then write the manifest; on any failure remove them."""
+    """Convert every layer into its file, then write the manifest; on any failure remove them.
+
+    Meanwhile SIGTERM (`kill`, a job scheduler's stop, a closing terminal's session) raises
+    Terminated, as Ctrl-C raises KeyboardInterrupt, so that a half-written copy is removed before
+    the process ends. Left alone where the program handles SIGTERM itself, and outside the main
+    thread (where Python cannot set a handler)."""
     from safetensors.torch import save
 
-    sums = {}
+    sums, main = {}, threading.current_thread() is threading.main_thread()
+    if ours := main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, terminate)
     try:
-        with sigterm_raises():
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / "manifest.json").unlink(missing_ok=True)  # unfinished until written again
-            for i in tqdm(range(len(files)), desc=f"offload: converting layers into {folder}"):
-                data = save(quantize.quantize_layer(ckpt.layer(i, shapes), dtype, kind))
-                write_then_rename(files[i], data)
-                sums[files[i].name] = [len(data), hashlib.sha256(data).hexdigest()]
-            write_then_rename(
-                folder / "manifest.json", json.dumps({**manifest, "files": sums}).encode()
-            )
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "manifest.json").unlink(missing_ok=True)  # unfinished until written again
+        for i in tqdm(range(len(files)), desc=f"offload: converting layers into {folder}"):
+            data = save(quantize.quantize_layer(ckpt.layer(i, shapes), dtype, kind))
+            write_then_rename(files[i], data)
+            sums[files[i].name] = [len(data), hashlib.sha256(data).hexdigest()]
+        write_then_rename(
+            folder / "manifest.json", json.dumps({**manifest, "files": sums}).encode()
+        )
     except BaseException as err:  # a full disk, Ctrl-C, SIGTERM: what was written only takes space
         shutil.rmtree(folder, ignore_errors=True)
         if isinstance(err, Terminated):  # end as SIGTERM ends a process, now that it is tidy
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
         raise
+    finally:
+        if ours:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 class Terminated(BaseException):
-    """SIGTERM, raised while a copy is being written (`sigterm_raises`)."""
+    """SIGTERM, raised while a copy is being written (`write_copy`)."""
 
 
-@contextmanager
-def sigterm_raises():
-    """SIGTERM (`kill`, a job scheduler's stop, a closing terminal's session) raises Terminated
-    inside this block, as Ctrl-C raises KeyboardInterrupt, so that a half-written copy is removed
-    before the process ends. Left alone where the program handles SIGTERM itself, and outside
-    the main thread (where Python cannot set a handler)."""
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
-    ):
-        yield
-        return
-
-    def terminate(signum, frame):
-        raise Terminated
-
-    signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+def terminate(signum, frame):
+    raise Terminated
 
 
 def write_then_rename(path: Path, data: bytes) -> None:

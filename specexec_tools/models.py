@@ -135,15 +135,14 @@ def open_model(name) -> Opened:
         raise OffloadError(f"{folder}: cannot load its config ({one_line(err)})") from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise OffloadError(f"{folder}: {config.model_type!r} is no causal LM of transformers")
-    counts = ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings")
-    for count in counts[:3]:
+    for count in ("vocab_size", "hidden_size", "num_hidden_layers"):
         check_count(config, count, folder)  # 0 or -1 layers build an empty model without a word
     model = skeleton(config, folder)  # an unknown activation or rope type: its own error
     try:
         windows = listen_to_layers(config)
     except SpecExecError as err:  # not supported, or config.json is broken
         raise OffloadError(f"{folder}: {err}") from None
-    check_count(config, counts[3], folder)  # the context (context_length)
+    check_count(config, "max_position_embeddings", folder)  # the context (context_length)
     checkpoint = Checkpoint(folder)
     checkpoint.name_as(model)  # a mixture's experts: stored one by one, stacked in the model
     check_weights(checkpoint, model)
@@ -225,7 +224,9 @@ def listen_to_layers(config):
     AttentionInterface.register("specexec_listen", listen)
     config = copy.deepcopy(config)  # from_config keeps the config it is given, and edits it
     try:
-        with quiet():  # what transformers says of a probe on meta is no news to a user
+        # What transformers says of a probe on meta is no news to a user. batched_mm: a mixture's
+        # experts as they run on meta
+        with quiet(), torch.device("meta"):
             # The cache transformers builds for it says what each layer keeps: a step keeps the
             # accepted path by gathering its keys and values, which a recurrent state (Mamba,
             # linear attention) or a compressed one does not hold.
@@ -235,13 +236,10 @@ def listen_to_layers(config):
                         f"{family} is not supported: layer {layer} keeps a {type(kept).__name__}, "
                         "not only keys and values: a tree's accepted path cannot be kept"
                     )
-            with torch.device("meta"):  # batched_mm: a mixture's experts as they run on meta
-                model = AutoModelForCausalLM.from_config(
-                    config, experts_implementation="batched_mm"
-                )
-                model.config._attn_implementation = "specexec_listen"
-                one = torch.zeros(1, 1, dtype=torch.long)  # (1, 1)
-                model(one, attention_mask=given, position_ids=one, **{CACHE: DynamicCache()})
+            model = AutoModelForCausalLM.from_config(config, experts_implementation="batched_mm")
+            model.config._attn_implementation = "specexec_listen"
+            one = torch.zeros(1, 1, dtype=torch.long)  # (1, 1)
+            model(one, attention_mask=given, position_ids=one, **{CACHE: DynamicCache()})
     except UnsupportedModel:
         raise
     except Exception as error:  # what a family raises on meta tensors or a plain cache varies
@@ -291,11 +289,9 @@ def config_fault(config) -> str | None:
             return f"num_experts_per_tok is {per_token}, more than its {name} ({count})"
         if count is not None and isinstance(per_token, int) and per_token < 1:
             return f"num_experts_per_tok is {per_token}: no expert for a token"
-    sliding = sorted(
-        {kind for kind in getattr(config, "layer_types", None) or [] if "sliding" in kind}
-    )
+    sliding = [kind for kind in getattr(config, "layer_types", None) or [] if "sliding" in kind]
     if sliding and getattr(config, "sliding_window", 0) is None:
-        return f"sliding_window is null, yet layer_types has {sliding[0]} layers"
+        return f"sliding_window is null, yet layer_types has {min(sliding)} layers"
     return None
 
 
@@ -338,12 +334,27 @@ def preflight(target, draft, input_ids, eos_token_id=None, tokenizers=None):
                 f"the {role} must be a causal LM (transformers', offload's or models.load's), "
                 f"got {type(model).__name__}"
             )
-    if tokenizers is not None:
-        check_same_tokenizer(*tokenizers)
-        for model in models.values():
-            check_vocab(tokenizers[0], model)
-    if draft is not None:
-        check_draft_vocab(target.config, draft.config)
+    if tokenizers is not None:  # ids must name the same strings in both, or drafting means nothing
+        t_vocab, d_vocab = tokenizers[0].get_vocab(), tokenizers[1].get_vocab()
+        if t_vocab != d_vocab:
+            differ = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=lambda kv: kv[1])
+            raise SpecExecError(
+                f"target and draft tokenizers differ ({len(t_vocab)} vs {len(d_vocab)} tokens; "
+                f"first difference: {differ[0][0]!r} id {differ[0][1]}); they must share one"
+            )
+        for model in models.values():  # and each id a row in each model's embedding
+            if len(tokenizers[0]) > model.config.vocab_size:
+                raise SpecExecError(
+                    f"{getattr(model, 'folder', 'a model')}: the tokenizer gives ids up to "
+                    f"{len(tokenizers[0]) - 1}, but the model's vocabulary holds "
+                    f"{model.config.vocab_size}"
+                )
+    # Every token the draft proposes must be one the target has: its vocabulary is no larger
+    if draft is not None and draft.config.vocab_size > target.config.vocab_size:
+        raise SpecExecError(
+            f"the draft's vocabulary ({draft.config.vocab_size}) is larger than the target's "
+            f"({target.config.vocab_size}); they must share a tokenizer"
+        )
     limit = min(context_length(model.config) for model in models.values())
     seq = None if input_ids is None else prompt_tokens(input_ids, limit, **models)
     tokenizer = tokenizers[0] if tokenizers else None
@@ -353,43 +364,6 @@ def preflight(target, draft, input_ids, eos_token_id=None, tokenizers=None):
 def context_length(config):
     """Positions the model can use."""
     return config.max_position_embeddings
-
-
-def check_draft_vocab(target_config, draft_config):
-    """Every token the draft proposes must be one the target has: its vocabulary is no larger.
-    (That ids also mean the same tokens: `check_same_tokenizer`, given the tokenizers.)"""
-    if draft_config.vocab_size > target_config.vocab_size:
-        raise SpecExecError(
-            f"the draft's vocabulary ({draft_config.vocab_size}) is larger than the target's "
-            f"({target_config.vocab_size}); they must share a tokenizer"
-        )
-
-
-def check_same_tokenizer(target_tokenizer, draft_tokenizer):
-    """Token ids must name the same strings in both models, or drafting means nothing."""
-    t_vocab, d_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
-    if t_vocab != d_vocab:
-        differ = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=lambda kv: kv[1])
-        raise SpecExecError(
-            f"target and draft tokenizers differ ({len(t_vocab)} vs {len(d_vocab)} tokens; "
-            f"first difference: {differ[0][0]!r} id {differ[0][1]}); they must share one"
-        )
-
-
-def check_vocab(tokenizer, model):
-    """Every id the tokenizer gives must have a row in the model's embedding."""
-    if len(tokenizer) > model.config.vocab_size:
-        raise SpecExecError(
-            f"{getattr(model, 'folder', 'a model')}: the tokenizer gives ids up to "
-            f"{len(tokenizer) - 1}, but the model's vocabulary holds {model.config.vocab_size}"
-        )
-
-
-def check_prompt(seq, limit):
-    if not seq:
-        raise SpecExecError("the prompt is empty")
-    if len(seq) >= limit:
-        raise SpecExecError(f"the prompt has {len(seq)} tokens; the context holds {limit}")
 
 
 def prompt_tokens(input_ids, limit, **models):
@@ -409,7 +383,10 @@ def prompt_tokens(input_ids, limit, **models):
         seq = ids.reshape(-1).tolist()
     except (NotImplementedError, RuntimeError) as error:
         raise SpecExecError(f"input_ids holds no values to read ({one_line(error)})") from None
-    check_prompt(seq, limit)
+    if not seq:
+        raise SpecExecError("the prompt is empty")
+    if len(seq) >= limit:
+        raise SpecExecError(f"the prompt has {len(seq)} tokens; the context holds {limit}")
     for role, model in models.items():
         vocab = model.config.vocab_size
         outside = [token for token in seq if not 0 <= token < vocab]
@@ -471,7 +448,7 @@ def load_weights(opened: Opened, model, device, dtype, layers=True) -> None:
     for owner in {name.rpartition(".")[0] for name, _ in model.named_buffers()}:
         model._init_weights(model.get_submodule(owner))
     tensors = {
-        name: ckpt.tensor(name, param.shape).to(device=device, dtype=dtype)
+        name: ckpt.tensor(name).to(device=device, dtype=dtype)
         for name, param in model.named_parameters()  # a tied head is listed once, as EMBEDDING
         if layers or not name.startswith("model.layers.")
     }
