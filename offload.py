@@ -107,8 +107,7 @@ class OffloadedCausalLM(nn.Module):
         # every event of the pass has passed, so the device's own times can be read
         ops.host_wait(ops.record("compute"))
         self.stats.pass_s = time.perf_counter() - started
-        for _, waiting, waited in self.streamed.waits:
-            self.stats.wait_s += ops.seconds(waiting, waited)
+        self.stats.wait_s = sum(ops.seconds(*around) for _, *around in self.streamed.waits)
         return out
 
     close = lambda self: self.finalizer()  # a second call does nothing
@@ -423,8 +422,7 @@ class Storage:
     layouts: list[Layout]
     reads_ssd = False  # whether a load blocks the host on the SSD
 
-    def views(self, layer: int, slot: torch.Tensor) -> dict[str, torch.Tensor]:  # its parameters
-        return self.layouts[layer].views(slot)
+    views = lambda self, layer, slot: self.layouts[layer].views(slot)  # its parameters
 
     resident_views = views  # a resident layer's buffer is a slot
     load_resident = lambda self, layer, buffer, ops: self.load(layer, buffer, ops)

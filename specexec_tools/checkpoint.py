@@ -2,7 +2,7 @@
 
 `Checkpoint` finds each tensor of a model folder (a byte range of a safetensors shard, or a tensor
 memory-mapped from a .bin shard), for both tiers: in memory (models.load) and offloaded
-(offload.py). `convert` writes the per-layer safetensors copy that the ssd tier reads when the
+(offload.py). `ssd_layers` writes the per-layer safetensors copy that the ssd tier reads when the
 checkpoint's own files cannot be read as they are (another dtype, .bin, quantized). The checks of
 a folder as a whole (config, family, every weight present) are models.open_model's.
 """
@@ -20,9 +20,9 @@ import signal
 import sys
 import threading
 import zipfile
+from collections import namedtuple
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -31,16 +31,9 @@ from tqdm import tqdm
 
 from specexec_tools import OffloadError, one_line, quantize
 
-
-@dataclass(frozen=True)
-class Entry:
-    """One tensor of a safetensors file, as the file's header describes it."""
-
-    path: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # absolute byte offsets in the file
-    end: int
+# One tensor of a safetensors file, as the file's header describes it; start and end: absolute
+# byte offsets in the file
+Entry = namedtuple("Entry", "path dtype shape start end")
 
 
 def pread_into(fd: int, buffer: torch.Tensor, file_offset: int, path: Path, needed=None) -> None:
@@ -322,27 +315,68 @@ def ssd_layers(
     ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, kind, offload_dir
 ) -> tuple[list[dict[str, Entry]], Path | None]:
     """Where the ssd tier reads each decoder layer's tensors (name -> Entry, a dict per layer):
-    the checkpoint's own safetensors where they will do (`reads_in_place`); else a converted
-    copy, whose folder is returned too."""
+    the checkpoint's own safetensors where they will do (`reads_in_place`); else a copy with one
+    safetensors file per layer, in `dtype` or quantized (kind "int8" or "int4", as
+    quantize.quantize_layer stores it), whose folder is returned too: written once, later runs
+    check the folder and reuse it.
+
+    The manifest goes last and records each file's size and SHA-256: a folder left by a failed
+    run (disk full, killed) is never taken for a finished one, and a copy damaged since (bytes
+    zeroed, files swapped) is written again. One run at a time writes into or checks a copy in
+    offload_dir (a lock on it): a second run waits, then reuses what the first wrote.
+    """
     if reads_in_place(ckpt, dtype, kind):
         names = [[f"model.layers.{i}.{n}" for n in shapes] for i in range(n_layers)]
         return [dict(zip(shapes, map(ckpt.entries.get, layer))) for layer in names], None
-    folder = convert(ckpt, shapes, n_layers, dtype, offload_dir, kind)
-    return [read_header(path) for path in layer_files(folder, n_layers)], folder
+    if offload_dir is None:
+        raise OffloadError(f"{ckpt.folder} needs a one-time conversion for ssd; pass offload_dir")
+    folder = copy_folder(ckpt, dtype, kind, offload_dir)  # "~/copies": in the home folder
+    offload_dir, dtype_name = folder.parent, str(dtype).removeprefix("torch.")
+    manifest = {"source": str(ckpt.folder.resolve()), "dtype": dtype_name, "layers": n_layers}
+    manifest["quantize"] = kind
+    files = [folder / f"layer_{i:03d}.safetensors" for i in range(n_layers)]
+    try:
+        offload_dir.mkdir(parents=True, exist_ok=True)
+        with locked(offload_dir):
+            damage = copy_damage(folder, manifest, files)
+            if damage is None:  # converted by an earlier run
+                return [read_header(path) for path in files], folder
+            stored = quantize.stored_layer(shapes, dtype, kind)  # meta: dtypes and shapes
+            nbytes = len(files) * sum(t.nbytes for t in stored.values())
+            size = f"{nbytes / 1e9:.2f} GB {copy_label(dtype, kind)}"
+            # Refused before the first byte (a full disk would stop it part-way, after minutes of
+            # writing); a damaged copy's files count as room, being replaced. 64 KiB: a header
+            needed = nbytes + len(files) * 2**16
+            held = sum(f.stat().st_size for f in folder.glob("*") if f.is_file())  # none: 0
+            if needed > (free := shutil.disk_usage(offload_dir).free + held):
+                raise OffloadError(
+                    f"the converted copy needs {needed / 1e9:.3g} GB, but {offload_dir} has "
+                    f"{free / 1e9:.3g} GB free: free space there or choose another --offload-dir"
+                )
+            say = f"the {size} copy in {folder} is damaged ({damage}); writing it again"
+            if not damage:
+                say = (
+                    f"writing a {size} per-layer copy of {ckpt.folder} into {folder} "
+                    "(reused next time; delete it to free the space)"
+                )
+            print(f"offload: {say}", file=sys.stderr)
+            write_copy(ckpt, shapes, dtype, kind, folder, manifest, files)
+    except OSError as err:
+        raise OffloadError(f"cannot write offload folder {folder}: {err.strerror or err}") from None
+    return [read_header(path) for path in files], folder
 
 
 def reads_in_place(ckpt: Checkpoint, dtype, kind) -> bool:
     """Whether the ssd tier streams the checkpoint's own files: every decoder layer's tensor is
     stored as the model names it (not stacked from a mixture's experts, not in a .bin), in
     `dtype`, at an offset a view of `dtype` can start at, and is not to be quantized."""
-    names = [name for name in ckpt.names() if name.startswith("model.layers.")]
-    entries = [ckpt.entries.get(name) for name in names]
+    entries = [ckpt.entries.get(n) for n in ckpt.names() if n.startswith("model.layers.")]
     fits = all(e and e.dtype == dtype and e.start % dtype.itemsize == 0 for e in entries)
     return fits and kind is None
 
 
 def copy_folder(ckpt: Checkpoint, dtype, kind, offload_dir) -> Path:
-    """Where `convert` writes (or finds) the copy of `ckpt` in `dtype`, quantized as `kind` says:
+    """Where `ssd_layers` writes (or finds) the copy of `ckpt` in `dtype`, quantized as `kind` says:
     named for the checkpoint's files as they are now (`fingerprint`), so a changed checkpoint
     gets a new copy."""
     name = f"{ckpt.folder.name}-{ckpt.fingerprint()}-{copy_label(dtype, kind)}"
@@ -380,58 +414,6 @@ def check_removable(ckpt: Checkpoint, dtype, kind, offload_dir) -> None:
                 f"--offload-clean: the converted copy {folder} could not be removed after the "
                 f"run ({where} is read-only); drop --offload-clean or pass another --offload-dir"
             )
-
-
-def layer_files(folder: Path, n_layers: int) -> list[Path]:
-    return [folder / f"layer_{i:03d}.safetensors" for i in range(n_layers)]
-
-
-def convert(ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, offload_dir, kind=None) -> Path:
-    """Write one safetensors file per layer, in `dtype` or quantized (kind "int8" or "int4", as
-    quantize.quantize_layer stores it), once; later runs check the folder and reuse it.
-
-    The manifest goes last and records each file's size and SHA-256: a folder left by a failed
-    run (disk full, killed) is never taken for a finished one, and a copy damaged since (bytes
-    zeroed, files swapped) is written again. One run at a time writes into or checks a copy in
-    offload_dir (a lock on it): a second run waits, then reuses what the first wrote.
-    """
-    if offload_dir is None:
-        raise OffloadError(f"{ckpt.folder} needs a one-time conversion for ssd; pass offload_dir")
-    folder = copy_folder(ckpt, dtype, kind, offload_dir)  # "~/copies": in the home folder
-    offload_dir, dtype_name = folder.parent, str(dtype).removeprefix("torch.")
-    manifest = {"source": str(ckpt.folder.resolve()), "dtype": dtype_name, "layers": n_layers}
-    manifest["quantize"] = kind
-    files = layer_files(folder, n_layers)
-    try:
-        offload_dir.mkdir(parents=True, exist_ok=True)
-        with locked(offload_dir):
-            damage = copy_damage(folder, manifest, files)
-            if damage is None:
-                return folder  # converted by an earlier run
-            stored = quantize.stored_layer(shapes, dtype, kind)  # meta: dtypes and shapes
-            nbytes = len(files) * sum(t.nbytes for t in stored.values())
-            size = f"{nbytes / 1e9:.2f} GB {copy_label(dtype, kind)}"
-            # Refused before the first byte (a full disk would stop it part-way, after minutes of
-            # writing); a damaged copy's files count as room, being replaced. 64 KiB: a header
-            needed = nbytes + len(files) * 2**16
-            held = sum(f.stat().st_size for f in folder.glob("*") if f.is_file())  # none: 0
-            if needed > (free := shutil.disk_usage(offload_dir).free + held):
-                raise OffloadError(
-                    f"the converted copy needs {needed / 1e9:.3g} GB, but {offload_dir} has "
-                    f"{free / 1e9:.3g} GB free: free space there or choose another --offload-dir"
-                )
-            if damage:
-                say = f"the {size} copy in {folder} is damaged ({damage}); writing it again"
-            else:
-                say = (
-                    f"writing a {size} per-layer copy of {ckpt.folder} into {folder} "
-                    "(reused next time; delete it to free the space)"
-                )
-            print(f"offload: {say}", file=sys.stderr)
-            write_copy(ckpt, shapes, dtype, kind, folder, manifest, files)
-    except OSError as err:
-        raise OffloadError(f"cannot write offload folder {folder}: {err.strerror or err}") from None
-    return folder
 
 
 @contextmanager
@@ -479,7 +461,6 @@ def copy_damage(folder: Path, manifest: dict, files: list[Path]) -> str | None:
             f"cannot read the converted copy's {err.filename or folder} ({err.strerror or err}); "
             f"delete {folder} to have it written again"
         ) from None
-    return None
 
 
 def sha256(path: Path) -> str:
@@ -529,12 +510,11 @@ def terminate(signum, frame):
 
 
 def write_then_rename(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all; a failed write's temporary file goes with the copy's
+    folder (write_copy)."""
     temporary = path.with_name(path.name + ".tmp")
-    try:
-        with open(temporary, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())  # the rename must not reach the disk before the bytes do
-        os.replace(temporary, path)  # atomic: the file is either absent or whole
-    finally:
-        temporary.unlink(missing_ok=True)
+    with open(temporary, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())  # the rename must not reach the disk before the bytes do
+    os.replace(temporary, path)  # atomic: the file is either absent or whole

@@ -64,8 +64,7 @@ def find_folder(name: str) -> Path:
     except (OSError, ValueError):
         pass  # not in the cache
     # The hub client retries a dead network for half a minute; one quick look decides instead.
-    offline = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else unreachable()
-    if offline:
+    if offline := "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else unreachable():
         raise OffloadError(
             f"{name}: no such folder, not in the Hugging Face cache, and {offline}; "
             "pass a local model folder (or download it once online; HF_HUB_OFFLINE=1 then "
@@ -108,7 +107,6 @@ class Opened:
     config: object  # transformers' PretrainedConfig
     generation_config: object | None  # its generation_config.json (EOS ids), where it has one
     checkpoint: Checkpoint  # where each tensor's bytes are; shapes checked against the config
-    windows: dict  # attention_windows: layer type -> how far back it looks
 
     def skeleton(self, dtype=None) -> torch.nn.Module:
         """The model its config describes, on meta, in `dtype` (default: the checkpoint's)."""
@@ -138,16 +136,15 @@ def open_model(name) -> Opened:
     for count in ("vocab_size", "hidden_size", "num_hidden_layers"):
         check_count(config, count, folder)  # 0 or -1 layers build an empty model without a word
     model = skeleton(config, folder)  # an unknown activation or rope type: its own error
-    try:
-        windows = listen_to_layers(config)
+    try:  # heard once: every model built from this config hears so (attention_windows)
+        attention_windows(model)
     except SpecExecError as err:  # not supported, or config.json is broken
         raise OffloadError(f"{folder}: {err}") from None
     check_count(config, "max_position_embeddings", folder)  # the context (context_length)
     checkpoint = Checkpoint(folder)
     checkpoint.name_as(model)  # a mixture's experts: stored one by one, stacked in the model
     check_weights(checkpoint, model)
-    _windows[id(config)] = weakref.ref(config), windows  # every model built from it hears so
-    return Opened(folder, config, generation, checkpoint, windows)
+    return Opened(folder, config, generation, checkpoint)
 
 
 def check_count(config, name: str, folder: Path) -> None:
@@ -243,8 +240,7 @@ def listen_to_layers(config):
     except UnsupportedModel:
         raise
     except Exception as error:  # what a family raises on meta tensors or a plain cache varies
-        broken = config_fault(config)  # the family runs trees; this config of it runs nothing
-        if broken:
+        if broken := config_fault(config):  # the family runs trees; this config of it runs nothing
             raise SpecExecError(f"config.json is broken: {broken}") from None
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise UnsupportedModel(f"{family} is not supported: a tree pass fails ({reason})") from None
@@ -437,7 +433,6 @@ def load_weights(opened: Opened, model, device, dtype, layers=True) -> None:
     """Give `model` (a skeleton of `opened`) the checkpoint's tensors on `device` in `dtype`:
     all of them, or with layers=False all but the decoder layers' (offload.py streams those).
     The model keeps the folder's generation config."""
-    ckpt = opened.checkpoint
     tied = ties_head(model)
     # Buffers (rotary frequencies, Gemma's embedding scale) are computed, not stored: give them
     # memory on the device and let the model's own initializer compute them, while the
@@ -448,7 +443,7 @@ def load_weights(opened: Opened, model, device, dtype, layers=True) -> None:
     for owner in {name.rpartition(".")[0] for name, _ in model.named_buffers()}:
         model._init_weights(model.get_submodule(owner))
     tensors = {
-        name: ckpt.tensor(name).to(device=device, dtype=dtype)
+        name: opened.checkpoint.tensor(name).to(device=device, dtype=dtype)
         for name, param in model.named_parameters()  # a tied head is listed once, as EMBEDDING
         if layers or not name.startswith("model.layers.")
     }

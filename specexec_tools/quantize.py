@@ -63,12 +63,8 @@ def quantize(weight: torch.Tensor, kind: str, dtype: torch.dtype):
     levels = (w / scale.to(work)).round().clamp(-QMAX[kind], QMAX[kind]).flatten(1)  # (out, in)
     if kind == "int8":
         return levels.to(torch.int8), scale.flatten()
-    return pack_nibbles((levels + 8).to(torch.uint8)), scale.squeeze(-1)
-
-
-def pack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
-    """(out, in) uint8 values 0..15 -> (out, in // 2): input 2j low nibble, 2j + 1 high."""
-    return nibbles[:, 0::2] | nibbles[:, 1::2] << 4
+    nibbles = (levels + 8).to(torch.uint8)  # (out, in), 0..15: input 2j low, 2j + 1 high
+    return nibbles[:, 0::2] | nibbles[:, 1::2] << 4, scale.squeeze(-1)  # (out, in // 2)
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
