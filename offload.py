@@ -78,8 +78,8 @@ class OffloadedCausalLM(nn.Module):
             storage.close()
         hf_model.model.layers = self.streamed
         self.hf = hf_model  # all on the device, except the decoder layers' weights
-        self.layouts = storage.layouts
-        self.converted_folder, self.quantized = converted, kind  # the ssd tier's copy; int8 / int4
+        # what each layer moves; the ssd tier's copy (or None); int8 / int4 (or None)
+        self.layouts, self.converted_folder, self.quantized = storage.layouts, converted, kind
         self.stats = PassStats(resident_layers=len(self.ring.resident))
 
     config = property(lambda self: self.hf.config)
@@ -415,11 +415,10 @@ round_up = lambda nbytes: -(-nbytes // PAGE) * PAGE  # to whole pages
 
 
 class Storage:
-    """Where layers' bytes live. `layouts[i]`: what a load of layer i moves into a slot. `load`
-    queues a layer's way into a slot and returns the event compute waits for; `load_resident`
-    does it once for a resident layer, into a buffer it binds for good."""
+    """Where layers' bytes live. `layouts[i]`, a Layout: what a load of layer i moves into a slot.
+    `load` queues a layer's way into a slot and returns the event compute waits for;
+    `load_resident` does it once for a resident layer, into a buffer it binds for good."""
 
-    layouts: list[Layout]
     reads_ssd = False  # whether a load blocks the host on the SSD
 
     views = lambda self, layer, slot: self.layouts[layer].views(slot)  # its parameters

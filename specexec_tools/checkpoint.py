@@ -81,15 +81,12 @@ def read_header(path: Path) -> dict[str, Entry]:
     size = path.stat().st_size
     with open(path, "rb") as file:
         length = int.from_bytes(file.read(8), "little")
-        if size < 8 or 8 + length > size:
+        if 8 + length > size:  # a file of less than 8 bytes too
             raise OffloadError(f"truncated safetensors shard {path}: header runs past the end")
         try:
             header = json.loads(file.read(length))
             header.pop("__metadata__", None)
-            infos = {
-                name: (info["dtype"], info["data_offsets"], info["shape"])
-                for name, info in header.items()
-            }
+            infos = {n: (i["dtype"], i["data_offsets"], i["shape"]) for n, i in header.items()}
         except (ValueError, KeyError, TypeError, AttributeError):
             raise OffloadError(f"corrupt safetensors shard {path}: header is not one") from None
     entries, base = {}, 8 + length  # the header's offsets count from its end
@@ -157,7 +154,6 @@ class Checkpoint:
         import transformers.core_model_loading as loading
         from transformers.conversion_mapping import get_model_conversion_mapping
 
-        self.sources = {}  # named again for this model
         rules = get_model_conversion_mapping(model)
         converters = [rule for rule in rules if isinstance(rule, loading.WeightConverter)]
         renamings = [rule for rule in rules if not isinstance(rule, loading.WeightConverter)]
@@ -461,6 +457,7 @@ def copy_damage(folder: Path, manifest: dict, files: list[Path]) -> str | None:
             f"cannot read the converted copy's {err.filename or folder} ({err.strerror or err}); "
             f"delete {folder} to have it written again"
         ) from None
+    return None
 
 
 def sha256(path: Path) -> str:

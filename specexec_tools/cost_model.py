@@ -237,8 +237,7 @@ class CostModel:
         """The chance that the target walks to each node of the tree (the root: 1)."""
         cum, parents = tree.cum_logprob, tree.parents  # (n + 1,): the root first
         reach = [1.0] * len(cum)
-        for node in range(1, len(cum)):  # parents come before children
-            up = parents[node]
+        for node, up in enumerate(parents[1:], start=1):  # parents come before children
             reach[node] = reach[up] * self.follow_rate(cum[node] - cum[up])
         return reach
 
@@ -279,9 +278,8 @@ class CostModel:
         each node it reached: the path's tokens, then the bonus."""
         budget, depth, passes = step.budget, step.max_depth, step.draft_passes
         choice, other_s = (budget, depth), step.total_s - step.draft_s - step.target_s
-        first = not self.steps
         self.target_s[step.n_fed] = running_mean(self.target_s.get(step.n_fed), step.target_s)
-        if not first:  # the first step reads the prompt too: no step's whole cost
+        if self.steps:  # not the first step, which reads the prompt too: no step's whole cost
             if budget:  # how far the parts fell short of the whole, as predicted
                 predicted = self.from_parts(budget, self.gains.get(choice, (0, passes))[1])
                 self.time_scale = running_mean(self.time_scale, step.total_s / predicted)

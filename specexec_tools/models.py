@@ -20,7 +20,7 @@ import copy
 import numbers
 import os
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -59,10 +59,8 @@ def find_folder(name: str) -> Path:
     from huggingface_hub import constants, snapshot_download
 
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt"]  # config, weights, tokenizer
-    try:
+    with suppress(OSError, ValueError):  # not in the cache
         return Path(snapshot_download(name, allow_patterns=patterns, local_files_only=True))
-    except (OSError, ValueError):
-        pass  # not in the cache
     # The hub client retries a dead network for half a minute; one quick look decides instead.
     if offline := "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else unreachable():
         raise OffloadError(
@@ -125,8 +123,7 @@ def open_model(name) -> Opened:
 
     folder = find_folder(str(name))
     try:
-        config = AutoConfig.from_pretrained(folder)
-        generation = None
+        config, generation = AutoConfig.from_pretrained(folder), None
         if (folder / "generation_config.json").is_file():
             generation = GenerationConfig.from_pretrained(folder)
     except Exception as err:  # transformers checks values as it reads them, with its own errors
@@ -303,8 +300,7 @@ def quiet():
     level = logging.get_verbosity()
     logging.set_verbosity(logging.CRITICAL + 1)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(action="ignore"):
             yield
     finally:
         logging.set_verbosity(level)
@@ -385,8 +381,7 @@ def prompt_tokens(input_ids, limit, **models):
         raise SpecExecError(f"the prompt has {len(seq)} tokens; the context holds {limit}")
     for role, model in models.items():
         vocab = model.config.vocab_size
-        outside = [token for token in seq if not 0 <= token < vocab]
-        if outside:
+        if outside := [token for token in seq if not 0 <= token < vocab]:
             raise SpecExecError(
                 f"token id {outside[0]} is outside the {role}'s vocabulary ({vocab} tokens)"
             )
@@ -422,8 +417,7 @@ def load(opened, device, dtype=None) -> torch.nn.Module:
     """The model in memory, on `device`, in `dtype` (None: the checkpoint's own), from a folder
     `open_model` checked (or a folder or hub id, opened here); offload.from_pretrained streams
     the same Opened instead."""
-    opened = open_model(opened)
-    dtype = as_dtype(dtype)
+    opened, dtype = open_model(opened), as_dtype(dtype)
     model = opened.skeleton(dtype)
     load_weights(opened, model, device, dtype or opened.checkpoint.dtype)
     return model
