@@ -488,12 +488,13 @@ class SsdStorage(Storage):
 
     def __init__(self, layers: list[dict[str, files.Entry]], ops):
         self.layouts, self.reads = zip(*(plan_reads(entries) for entries in layers), strict=True)
-        self.entries = layers  # name -> where in its file, per layer
         if ops.staging:  # copied on from staging: each tensor where `pack` puts it
             self.layouts = [pack(entries) for entries in layers]
-        self.ops, self.fds, self.chunks = ops, {}, []  # what close() gives back, however far
+        # entries: name -> where in its file, per layer; fds and chunks: what close() gives back,
+        # however far __init__ got before failing
+        self.entries, self.ops, self.fds, self.chunks = layers, ops, {}, []
         self.pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="offload-ssd")
-        try:  # __init__ got before failing
+        try:
             for path in {read.path for reads in self.reads for read in reads}:
                 self.fds[path] = files.open_direct(path)
             count, self.piece_nbytes = ops.staging or (0, self.piece_nbytes)
@@ -667,13 +668,12 @@ class Cuda(Cpu):
     wait_event = lambda self, stream, event: self.stream(stream).wait_event(event)  # host goes on
     host_wait = lambda self, event: event.synchronize()
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with torch.cuda.stream(self.streams["copy"]):
-            dst.copy_(src, non_blocking=True)
+    def on(self, stream: str, fn, *args, **kwargs) -> None:
+        with torch.cuda.stream(self.streams[stream]):
+            fn(*args, **kwargs)
 
-    def convert(self, fn, *args) -> None:
-        with torch.cuda.stream(self.streams["dequant"]):
-            fn(*args)
+    copy = lambda self, dst, src: self.on("copy", dst.copy_, src, non_blocking=True)
+    convert = lambda self, fn, *args: self.on("dequant", fn, *args)
 
     def close(self) -> None:
         for buffer in list(self.registered):  # what a storage left pinned (normally nothing)

@@ -94,8 +94,7 @@ def read_header(path: Path) -> dict[str, Entry]:
         if dtype not in DTYPES:
             raise OffloadError(f"{path}: tensor {name} has unsupported dtype {dtype}")
         entries[name] = Entry(path, DTYPES[dtype], tuple(shape), base + start, base + end)
-    last = max((entry.end for entry in entries.values()), default=0)
-    if last > size:
+    if (last := max((entry.end for entry in entries.values()), default=0)) > size:
         raise OffloadError(f"truncated safetensors shard {path}: {size} bytes, header says {last}")
     return entries
 
@@ -104,26 +103,22 @@ class Checkpoint:
     """The tensors of a model folder: safetensors shards (read by byte range) or .bin shards."""
 
     def __init__(self, folder: Path):
+        # entries: name -> Entry, where a safetensors tensor's bytes are; mapped: name -> a .bin
+        # tensor memory-mapped by torch.load; sources: model name -> how it is built (`name_as`)
+        self.folder, self.shards, self.entries, self.mapped, self.sources = folder, [], {}, {}, {}
         try:
-            self.find_tensors(folder)
-        except OSError as err:  # unreadable (a hub cache file of mode 600 that is not ours)
-            raise OffloadError(f"cannot read {err.filename or folder}: {err.strerror}") from None
-
-    def find_tensors(self, folder: Path) -> None:
-        self.folder, self.shards = folder, []
-        self.entries: dict[str, Entry] = {}  # safetensors: where each tensor's bytes are
-        self.mapped: dict[str, torch.Tensor] = {}  # .bin: tensors memory-mapped by torch.load
-        self.sources: dict[str, tuple] = {}  # model name -> how it is built (`name_as`)
-        for weights in ("model.safetensors", "pytorch_model.bin"):
-            index = folder / f"{weights}.index.json"
-            if index.exists():
-                try:  # "metadata" (the total size) is optional: the weight map is what we read
-                    files = json.loads(index.read_text())["weight_map"].values()
-                except (ValueError, KeyError, TypeError, AttributeError):
-                    raise OffloadError(f"corrupt checkpoint index {index}") from None
-                self.shards = sorted({folder / file for file in files})
-            elif (folder / weights).exists():
-                self.shards = [folder / weights]
+            for weights in ("model.safetensors", "pytorch_model.bin"):  # safetensors' first
+                index = folder / f"{weights}.index.json"
+                if index.exists():
+                    try:  # "metadata" (the total size) is optional: the weight map is what we read
+                        files = json.loads(index.read_text())["weight_map"].values()
+                    except (ValueError, KeyError, TypeError, AttributeError):
+                        raise OffloadError(f"corrupt checkpoint index {index}") from None
+                    self.shards = sorted({folder / file for file in files})
+                elif (folder / weights).exists():
+                    self.shards = [folder / weights]
+                if self.shards:
+                    break
             for shard in self.shards:
                 if not shard.is_file():
                     raise OffloadError(f"missing checkpoint shard {shard}")
@@ -139,9 +134,10 @@ class Checkpoint:
                 except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as err:
                     reason = one_line(err) if mmap else "no zip, nor a legacy torch.save of tensors"
                     raise OffloadError(f"corrupt checkpoint shard {shard}: {reason}") from None
-            if self.shards:
-                return
-        raise OffloadError(f"no model.safetensors or pytorch_model.bin weights in {folder}")
+        except OSError as err:  # unreadable (a hub cache file of mode 600 that is not ours)
+            raise OffloadError(f"cannot read {err.filename or folder}: {err.strerror}") from None
+        if not self.shards:
+            raise OffloadError(f"no model.safetensors or pytorch_model.bin weights in {folder}")
 
     def name_as(self, model) -> None:
         """Serve tensors under `model`'s names where transformers renames them while loading.
@@ -195,8 +191,7 @@ class Checkpoint:
         if name in self.sources:  # built by a rule: its sources' dtype, its shape from meta ones
             found = self.convert(name, lambda key: torch.empty(self.spec(key)[1], device="meta"))
             return self.spec(self.sources[name][1][0][0])[0], tuple(found.shape)
-        found = self.entries.get(name) or self.mapped.get(name)  # an Entry or a tensor
-        if found is None:
+        if (found := self.entries.get(name) or self.mapped.get(name)) is None:  # Entry or tensor
             raise OffloadError(f"{self.folder}: the checkpoint has no tensor {name}")
         return found.dtype, tuple(found.shape)
 
@@ -288,20 +283,15 @@ def check_weights(ckpt: Checkpoint, model: torch.nn.Module) -> None:
                 "but the checkpoint holds another lm_head.weight"
             )
         have.pop(HEAD, None)
-    common = sorted(want.keys() & have.keys())
-    for names, what in [
+    shapes = [f"{w} {have[w]} vs {want[w]}" for w in want.keys() & have if have[w] != want[w]]
+    for bad, what in [
         (want.keys() - have.keys(), "lacks {n} weights its config.json asks for"),
         (have.keys() - want.keys(), "holds {n} weights its config.json has no place for"),
-        (
-            [f"{name} {have[name]} vs {want[name]}" for name in common if have[name] != want[name]],
-            "has {n} weights of another shape than its config.json gives",
-        ),
+        (shapes, "has {n} weights of another shape than its config.json gives"),
     ]:
-        if names:
-            first = sorted(names)[0] + (", ..." if len(names) > 1 else "")
-            raise OffloadError(
-                f"{ckpt.folder}: the checkpoint {what.format(n=len(names))} ({first})"
-            )
+        if bad:  # the names at fault, the first of them named
+            first = sorted(bad)[0] + (", ..." if len(bad) > 1 else "")
+            raise OffloadError(f"{ckpt.folder}: the checkpoint {what.format(n=len(bad))} ({first})")
 
 
 # ---- the ssd tier's files: the checkpoint's own, or a converted copy with one file per layer ----
@@ -484,9 +474,7 @@ def write_copy(ckpt, shapes, dtype, kind, folder: Path, manifest: dict, files: l
             data = save(quantize.quantize_layer(ckpt.layer(i, shapes), dtype, kind))
             write_then_rename(files[i], data)
             sums[files[i].name] = [len(data), hashlib.sha256(data).hexdigest()]
-        write_then_rename(
-            folder / "manifest.json", json.dumps({**manifest, "files": sums}).encode()
-        )
+        write_then_rename(folder / "manifest.json", json.dumps(manifest | {"files": sums}).encode())
     except BaseException as err:  # a full disk, Ctrl-C, SIGTERM: what was written only takes space
         shutil.rmtree(folder, ignore_errors=True)
         if isinstance(err, Terminated):  # end as SIGTERM ends a process, now that it is tidy

@@ -30,8 +30,8 @@ class FixedBudget:
     max_depth: int
     why: str = ""  # for the summary: why a run with a draft decodes plainly
 
-    def choose(self, left=None):  # left: tokens still to come (auto's looks heed them)
-        return self.budget, self.max_depth
+    # left: tokens still to come (auto's looks heed them)
+    choose = lambda self, left=None: (self.budget, self.max_depth)
 
     update = lambda self, step: None  # nothing to learn
 
@@ -202,10 +202,8 @@ class CostModel:
         answers so far (all remembered until a pass is measured: `rates` reads them for every
         candidate at every step, and auto's own time is time plain decoding does not spend)."""
         if not self.curve or self.curve[3] != self.target_s:
-            sizes = sorted(self.target_s)
-            cheapest = [self.target_s[size] for size in sizes]
-            for i in reversed(range(len(sizes) - 1)):
-                cheapest[i] = min(cheapest[i], cheapest[i + 1])
+            sizes = sorted(self.target_s)  # the cheapest: a running minimum from the largest down
+            cheapest = [*accumulate((self.target_s[size] for size in reversed(sizes)), min)][::-1]
             self.curve = sizes, cheapest, {}, dict(self.target_s)
         return self.curve[:3]
 

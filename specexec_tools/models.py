@@ -62,7 +62,7 @@ def find_folder(name: str) -> Path:
     with suppress(OSError, ValueError):  # not in the cache
         return Path(snapshot_download(name, allow_patterns=patterns, local_files_only=True))
     # The hub client retries a dead network for half a minute; one quick look decides instead.
-    if offline := "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else unreachable():
+    if offline := "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else unreachable(constants):
         raise OffloadError(
             f"{name}: no such folder, not in the Hugging Face cache, and {offline}; "
             "pass a local model folder (or download it once online; HF_HUB_OFFLINE=1 then "
@@ -77,20 +77,17 @@ def find_folder(name: str) -> Path:
     return folder
 
 
-def unreachable() -> str | None:
-    """Why the hub cannot be reached, or None."""
+def unreachable(constants) -> str | None:
+    """Why the hub (at huggingface_hub's `constants.ENDPOINT`) cannot be reached, or None."""
     import socket
     import urllib.request
     from urllib.parse import urlsplit
 
-    from huggingface_hub import constants
-
     url = urlsplit(constants.ENDPOINT)
-    if url.scheme in urllib.request.getproxies():
-        return None  # the client goes through a proxy; let it try
+    port = url.port or (443 if url.scheme == "https" else 80)
     try:
-        port = url.port or (443 if url.scheme == "https" else 80)
-        socket.create_connection((url.hostname, port), timeout=5).close()
+        if url.scheme not in urllib.request.getproxies():  # through a proxy: let the client try
+            socket.create_connection((url.hostname, port), timeout=5).close()
     except OSError as err:
         return f"{url.hostname} cannot be reached ({err.strerror or err})"
     return None
