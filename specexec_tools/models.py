@@ -346,8 +346,7 @@ def preflight(target, draft, input_ids, eos_token_id=None, tokenizers=None):
         )
     limit = min(context_length(model.config) for model in models.values())
     seq = None if input_ids is None else prompt_tokens(input_ids, limit, **models)
-    tokenizer = tokenizers[0] if tokenizers else None
-    return seq, limit, stop_tokens(eos_token_id, target, tokenizer)
+    return seq, limit, stop_tokens(eos_token_id, target, tokenizers[0] if tokenizers else None)
 
 
 def context_length(config):
@@ -450,8 +449,7 @@ def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     """A torch dtype from itself or its name ("float16", "torch.bfloat16")."""
     if not isinstance(dtype, str):
         return dtype
-    found = getattr(torch, dtype.removeprefix("torch."), None)
-    if not isinstance(found, torch.dtype):
+    if not isinstance(found := getattr(torch, dtype.removeprefix("torch."), None), torch.dtype):
         raise OffloadError(f"dtype {dtype!r} is no torch dtype; try 'float16' or 'bfloat16'")
     return found
 
