@@ -483,8 +483,8 @@ class SsdStorage(Storage):
     overlap; chunk k is read into again once its last copy finished, the one wait that blocks the
     host. Read straight in (O_DIRECT), tensors keep their file's alignment (CPUs don't mind)."""
 
-    piece_nbytes = 32 * 2**20  # the most one pread asks for (through staging: a chunk)
-    reads_ssd = True
+    # piece_nbytes: the most one pread asks for (through staging: a chunk)
+    piece_nbytes, reads_ssd = 32 * 2**20, True
 
     def __init__(self, layers: list[dict[str, files.Entry]], ops):
         self.layouts, self.reads = zip(*(plan_reads(entries) for entries in layers), strict=True)
@@ -593,8 +593,7 @@ class Dequantizing(Storage):
         as_moved = {name: t for name, t in moved.items() if not name.endswith((".q", ".scale"))}
         return as_moved | self.weights.views(slot[self.sizes.moved :])
 
-    def close(self) -> None:
-        self.storage.close()
+    close = lambda self: self.storage.close()
 
 
 # ---- the device: what the ring asks of it (buffers, copies, events), on CUDA or the CPU ----
@@ -610,9 +609,9 @@ class Cpu:
     """Each "stream" is the thread that issues its work (copy and dequant: the reader; compute: the
     caller), run in order: an event is done once recorded, the time it was, and waits are free."""
 
-    staging = None  # slots are host memory: an ssd read lands in one directly, not via staging
-    queues = False  # copies run when issued, on the issuing thread (the reader's, beside compute)
-    device, pinned_bytes = torch.device("cpu"), 0
+    # staging None: slots are host memory, where an ssd read lands directly. queues False: copies
+    # run when issued, on the issuing thread (the reader's, beside compute)
+    staging, queues, device, pinned_bytes = None, False, torch.device("cpu"), 0
     # wait_event(stream, event), host_wait(event), free_host(buffer), close(): nothing to do
     wait_event = host_wait = free_host = close = lambda self, *args: None
     record = lambda self, stream: time.perf_counter()  # an event: when it was recorded
@@ -629,8 +628,9 @@ class Cuda(Cpu):
     for byte (`pin_memory=True` rounds up to a power of two: 16 GiB for a 12 GiB model). Right by
     construction; the tests run its ordering on a fake device."""
 
-    staging = (4, 32 * 2**20)  # pinned chunks an ssd read passes through: count, bytes each
-    queues = True  # a copy is queued on the copy stream and the host goes on at once
+    # staging: pinned chunks an ssd read passes through (count, bytes each); queues: a copy is
+    # queued on the copy stream and the host goes on at once
+    staging, queues = (4, 32 * 2**20), True
 
     def __init__(self, device: torch.device):
         self.device, self.registered, self.pinned_bytes = device, [], 0

@@ -30,10 +30,9 @@ class OffloadError(ValueError):
     """Bad input to the offloader or a bad model folder: one line that says what and where."""
 
 
-def one_line(err: BaseException) -> str:
-    """An exception's message on one line, for an error of ours to quote: all of it (transformers
-    puts the reason on a second line), cut at 300 characters; its type where it has none."""
-    return " ".join(str(err).split())[:300] or type(err).__name__
+# An exception's message on one line, for an error of ours to quote: all of it (transformers puts
+# the reason on a second line), cut at 300 characters; its type where it has none
+one_line = lambda err: " ".join(str(err).split())[:300] or type(err).__name__
 
 
 def check_options(opts):

@@ -239,9 +239,8 @@ class Checkpoint:
             raise OffloadError(f"{self.folder}: no decoder layers at model.layers to stream")
         return self.spec(names[0])[0]
 
-    def layer(self, i: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-        """Decoder layer i's tensors, by their names inside the layer, in their stored dtypes."""
-        return {name: self.tensor(f"model.layers.{i}.{name}") for name in shapes}
+    # Decoder layer i's tensors, by their names inside the layer (`shapes`' keys), stored dtypes
+    layer = lambda self, i, shapes: {n: self.tensor(f"model.layers.{i}.{n}") for n in shapes}
 
     def fingerprint(self) -> str:
         """Changes when the checkpoint's files do: an older offload folder is then not reused.
@@ -274,15 +273,13 @@ def check_weights(ckpt: Checkpoint, model: torch.nn.Module) -> None:
     have = {name: ckpt.spec(name)[1] for name in ckpt.names()}
     if ties_head(model):
         del want[HEAD]
-        if HEAD in have and not (
-            have[HEAD] == have.get(EMBEDDING)
-            and torch.equal(ckpt.tensor(HEAD), ckpt.tensor(EMBEDDING))
+        if (head := have.pop(HEAD, None)) is not None and not (  # a stored head: the embedding?
+            head == have.get(EMBEDDING) and torch.equal(ckpt.tensor(HEAD), ckpt.tensor(EMBEDDING))
         ):
             raise OffloadError(
                 f"{ckpt.folder}: config.json ties lm_head to the embedding (tie_word_embeddings), "
                 "but the checkpoint holds another lm_head.weight"
             )
-        have.pop(HEAD, None)
     shapes = [f"{w} {have[w]} vs {want[w]}" for w in want.keys() & have if have[w] != want[w]]
     for bad, what in [
         (want.keys() - have.keys(), "lacks {n} weights its config.json asks for"),
@@ -381,8 +378,7 @@ def check_offload_dir(offload_dir) -> None:
 
 def copy_label(dtype, kind) -> str:
     """int8-float16: int8 levels with float16 scales; float64: unquantized float64."""
-    dtype_name = str(dtype).removeprefix("torch.")
-    return f"{kind}-{dtype_name}" if kind else dtype_name
+    return (f"{kind}-" if kind else "") + str(dtype).removeprefix("torch.")
 
 
 def check_removable(ckpt: Checkpoint, dtype, kind, offload_dir) -> None:

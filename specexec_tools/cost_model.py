@@ -176,9 +176,9 @@ class CostModel:
 
     BUDGETS = tuple(2**k for k in range(11))  # 1 .. 1024: the tree sizes auto considers
     DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-    GROWTH, LOOK_EVERY, DEEPEN_EVERY, PRIOR = 4, 20, 4, 4
-    PRIOR_TOKENS = 2  # rate_scale starts at 1 as if two tokens had come as promised
-    STREAMED = 100  # draft passes a target pass outlasts when the target streams its weights
+    # PRIOR_TOKENS: rate_scale starts at 1 as if two tokens had come as promised. STREAMED: draft
+    # passes a target pass outlasts when the target streams its weights
+    GROWTH, LOOK_EVERY, DEEPEN_EVERY, PRIOR, PRIOR_TOKENS, STREAMED = 4, 20, 4, 4, 2, 100
 
     # ---- the cost ----
 
@@ -209,8 +209,7 @@ class CostModel:
 
     def from_parts(self, budget, passes):
         """A step's seconds from its parts: draft passes, one target pass, the rest."""
-        draft = passes * self.draft_s if budget else 0.0
-        return draft + self.t_target(budget + 1) + self.other_s
+        return (passes * self.draft_s if budget else 0.0) + self.t_target(budget + 1) + self.other_s
 
     def seconds(self, choice, passes):
         """A step's seconds: as its steps took, if run; else its parts, scaled."""
@@ -220,9 +219,8 @@ class CostModel:
 
     # ---- the gain ----
 
-    def bin(self, logprob):
-        """Quarter-nat bins of an edge's draft log-probability (at the tree's temperature)."""
-        return min(len(self.seen) - 1, int(-4 * logprob))
+    # Quarter-nat bins of an edge's draft log-probability (at the tree's temperature)
+    bin = lambda self, logprob: min(len(self.seen) - 1, int(-4 * logprob))
 
     def follow_rate(self, logprob):
         """How often the target, at a node it reached, picked a child of this bin; with `PRIOR`
@@ -325,9 +323,8 @@ class CostModel:
                 rates[(b, depth)] = scale * gain / self.seconds((b, depth), passes)
         return rates
 
-    def look_cost(self, look):
-        """The most a step of `look` can lose against a plain step: it gives the bonus at least."""
-        return self.seconds(look, self.gains[look][1]) - self.seconds((0, 0), 0)
+    # The most a step of `look` can lose against a plain step: it gives the bonus at least
+    look_cost = lambda self, look: self.seconds(look, self.gains[look][1]) - self.seconds((0, 0), 0)
 
     def choose(self, left=math.inf):
         """This step's (budget, depth), `left` tokens still to come; a tree's predicted (tokens,

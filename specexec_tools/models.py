@@ -349,9 +349,7 @@ def preflight(target, draft, input_ids, eos_token_id=None, tokenizers=None):
     return seq, limit, stop_tokens(eos_token_id, target, tokenizers[0] if tokenizers else None)
 
 
-def context_length(config):
-    """Positions the model can use."""
-    return config.max_position_embeddings
+context_length = lambda config: config.max_position_embeddings  # positions the model can use
 
 
 def prompt_tokens(input_ids, limit, **models):
