@@ -164,7 +164,7 @@ class Checkpoint:
         """One tensor as the checkpoint stores it, on the host."""
         if name in self.mapped:
             return self.mapped[name]
-        entry = self.entries[name]  # a name `tensor` found in its spec
+        entry = self.entries[name]  # every name read was checked (check_weights, check_layers)
         found = torch.empty(entry.end - entry.start, dtype=torch.uint8)  # (nbytes,)
         with open(entry.path, "rb") as file:
             pread_into(file.fileno(), found, entry.start, entry.path)

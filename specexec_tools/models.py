@@ -84,9 +84,9 @@ def unreachable(constants) -> str | None:
     from urllib.parse import urlsplit
 
     url = urlsplit(constants.ENDPOINT)
-    port = url.port or (443 if url.scheme == "https" else 80)
     try:
         if url.scheme not in urllib.request.getproxies():  # through a proxy: let the client try
+            port = url.port or (443 if url.scheme == "https" else 80)
             socket.create_connection((url.hostname, port), timeout=5).close()
     except OSError as err:
         return f"{url.hostname} cannot be reached ({err.strerror or err})"
