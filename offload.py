@@ -146,10 +146,10 @@ class StreamedLayers:
     `self.layers[: config.num_hidden_layers]`; slicing gives the same stream over fewer layers."""
 
     def __init__(self, layers: nn.ModuleList, ring: "LayerRing"):
-        self.layers, self.ring, self.indices = layers, ring, range(len(layers))
+        # waits, this pass's: (streamed layer, events on compute around its wait)
+        self.layers, self.ring, self.indices, self.waits = layers, ring, range(len(layers)), []
         # between runs a decoder layer rests on meta tensors: shapes, no bytes
         self.unbound = [{n: p.data for n, p in layer.named_parameters()} for layer in layers]
-        self.waits = []  # this pass's: (streamed layer, events on compute around its wait)
 
     def __getitem__(self, index: slice) -> "StreamedLayers":
         streamed = copy.copy(self)  # shares the layers, the ring and this pass's waits
@@ -326,8 +326,9 @@ class LayerRing:
         # prefetched as each streamed layer starts: the one `lookahead` on (past the end: wrapped)
         self.after = dict(zip(self.order, self.order[ahead:] + self.order[:ahead]))
         self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-reader")
-        self.queue: deque[Load] = deque()  # in the order they will be used; not yet handed out
-        self.in_use, self.next_slot = None, 0  # in_use: a Load handed out by wait(), not released
+        # queue: Loads in the order they will be used, not yet handed out; in_use: the Load handed
+        # out by wait(), not yet released
+        self.queue, self.in_use, self.next_slot = deque(), None, 0
 
     def start_pass(self) -> None:
         """Keep what the last pass prefetched for its first layers, drop an interrupted pass's."""

@@ -185,8 +185,8 @@ def attention_windows(model):
     Llama never applies. So we ask the layers (`listen_to_layers`), once per config: a model
     loaded from an Opened folder (in memory or offloaded) has its config's answer already."""
     config = model.config
-    known = _windows.get(id(config))
-    if known is None or known[0]() is not config:  # never heard, or another config since
+    # never heard, or another config since at this id
+    if (known := _windows.get(id(config))) is None or known[0]() is not config:
         _windows[id(config)] = weakref.ref(config), listen_to_layers(config)
     return _windows[id(config)][1]
 
@@ -215,22 +215,24 @@ def listen_to_layers(config):
     AttentionInterface.register("specexec_listen", listen)
     config = copy.deepcopy(config)  # from_config keeps the config it is given, and edits it
     try:
-        # What transformers says of a probe on meta is no news to a user. batched_mm: a mixture's
-        # experts as they run on meta
-        with quiet(), torch.device("meta"):
+        with quiet():  # what transformers says of a probe on meta is no news to a user
             # The cache transformers builds for it says what each layer keeps: a step keeps the
             # accepted path by gathering its keys and values, which a recurrent state (Mamba,
-            # linear attention) or a compressed one does not hold.
+            # linear attention) or a compressed one does not hold. Built on the host, not on meta:
+            # there a config it cannot be built for (a null sliding_window) fails, as in a run.
             for layer, kept in enumerate(DynamicCache(config=config).layers):
                 if type(kept).__name__ not in ("DynamicLayer", "DynamicSlidingWindowLayer"):
                     raise UnsupportedModel(
                         f"{family} is not supported: layer {layer} keeps a {type(kept).__name__}, "
                         "not only keys and values: a tree's accepted path cannot be kept"
                     )
-            model = AutoModelForCausalLM.from_config(config, experts_implementation="batched_mm")
-            model.config._attn_implementation = "specexec_listen"
-            one = torch.zeros(1, 1, dtype=torch.long)  # (1, 1)
-            model(one, attention_mask=given, position_ids=one, **{CACHE: DynamicCache()})
+            with torch.device("meta"):  # batched_mm: a mixture's experts as they run on meta
+                model = AutoModelForCausalLM.from_config(
+                    config, experts_implementation="batched_mm"
+                )
+                model.config._attn_implementation = "specexec_listen"
+                one = torch.zeros(1, 1, dtype=torch.long)  # (1, 1)
+                model(one, attention_mask=given, position_ids=one, **{CACHE: DynamicCache()})
     except UnsupportedModel:
         raise
     except Exception as error:  # what a family raises on meta tensors or a plain cache varies
