@@ -472,14 +472,14 @@ def write_copy(ckpt, shapes, dtype, kind, folder: Path, manifest: dict, files: l
             sums[files[i].name] = [len(data), hashlib.sha256(data).hexdigest()]
         write_then_rename(folder / "manifest.json", json.dumps(manifest | {"files": sums}).encode())
     except BaseException as err:  # a full disk, Ctrl-C, SIGTERM: what was written only takes space
+        if ours:  # from here on SIGTERM ends the process again
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         shutil.rmtree(folder, ignore_errors=True)
         if isinstance(err, Terminated):  # end as SIGTERM ends a process, now that it is tidy
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
         raise
-    finally:
-        if ours:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if ours:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 class Terminated(BaseException):

@@ -231,9 +231,8 @@ class CostModel:
 
     def reach(self, tree):
         """The chance that the target walks to each node of the tree (the root: 1)."""
-        cum, parents = tree.cum_logprob, tree.parents  # (n + 1,): the root first
-        reach = [1.0] * len(cum)
-        for node, up in enumerate(parents[1:], start=1):  # parents come before children
+        cum, reach = tree.cum_logprob, [1.0] * len(tree.cum_logprob)  # (n + 1,): the root first
+        for node, up in enumerate(tree.parents[1:], start=1):  # parents come before children
             reach[node] = reach[up] * self.follow_rate(cum[node] - cum[up])
         return reach
 
