@@ -42,8 +42,7 @@ import weakref
 from collections import deque, namedtuple
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
-from typing import NamedTuple, Self
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -79,8 +78,8 @@ class OffloadedCausalLM(nn.Module):
             storage.close()
         hf_model.model.layers = self.streamed
         self.hf = hf_model  # all on the device, except the decoder layers' weights
-        self.layouts = storage.layouts
-        self.converted_folder, self.quantized = converted, kind  # the ssd tier's copy; int8 / int4
+        # what each layer moves; the ssd tier's copy (or None); int8 / int4 (or None)
+        self.layouts, self.converted_folder, self.quantized = storage.layouts, converted, kind
         self.stats = PassStats(resident_layers=len(self.ring.resident))
 
     config = property(lambda self: self.hf.config)
@@ -108,15 +107,11 @@ class OffloadedCausalLM(nn.Module):
         # every event of the pass has passed, so the device's own times can be read
         ops.host_wait(ops.record("compute"))
         self.stats.pass_s = time.perf_counter() - started
-        for _, waiting, waited in self.streamed.waits:
-            self.stats.wait_s += ops.seconds(waiting, waited)
+        self.stats.wait_s = sum(ops.seconds(*around) for _, *around in self.streamed.waits)
         return out
 
     close = lambda self: self.finalizer()  # a second call does nothing
-    __exit__ = lambda self, *exc: self.close()
-
-    def __enter__(self) -> Self:
-        return self
+    __enter__, __exit__ = lambda self: self, lambda self, *exc: self.close()
 
 
 @dataclass
@@ -151,10 +146,10 @@ class StreamedLayers:
     `self.layers[: config.num_hidden_layers]`; slicing gives the same stream over fewer layers."""
 
     def __init__(self, layers: nn.ModuleList, ring: "LayerRing"):
-        self.layers, self.ring, self.indices = layers, ring, range(len(layers))
+        # waits, this pass's: (streamed layer, events on compute around its wait)
+        self.layers, self.ring, self.indices, self.waits = layers, ring, range(len(layers)), []
         # between runs a decoder layer rests on meta tensors: shapes, no bytes
         self.unbound = [{n: p.data for n, p in layer.named_parameters()} for layer in layers]
-        self.waits = []  # this pass's: (streamed layer, events on compute around its wait)
 
     def __getitem__(self, index: slice) -> "StreamedLayers":
         streamed = copy.copy(self)  # shares the layers, the ring and this pass's waits
@@ -247,10 +242,8 @@ def from_pretrained(
             undo.callback(storage.close)
             storage.fill(ckpt, shapes, dtype, quantize)
         else:  # the checkpoint's own files where they fit, else a converted copy
-            where, converted = files.ssd_layers(
-                ckpt, shapes, n_layers, dtype, quantize, offload_dir
-            )
-            storage = SsdStorage(where, ops)
+            at, converted = files.ssd_layers(ckpt, shapes, n_layers, dtype, quantize, offload_dir)
+            storage = SsdStorage(at, ops)
             undo.callback(storage.close)
         assert max(layout.nbytes for layout in storage.layouts) <= sizes.moved, "outgrows a slot"
         if quantize is not None:  # a slot also holds the layer's dequantized weights
@@ -333,8 +326,9 @@ class LayerRing:
         # prefetched as each streamed layer starts: the one `lookahead` on (past the end: wrapped)
         self.after = dict(zip(self.order, self.order[ahead:] + self.order[:ahead]))
         self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-reader")
-        self.queue: deque[Load] = deque()  # in the order they will be used; not yet handed out
-        self.in_use, self.next_slot = None, 0  # in_use: a Load handed out by wait(), not released
+        # queue: Loads in the order they will be used, not yet handed out; in_use: the Load handed
+        # out by wait(), not yet released
+        self.queue, self.in_use, self.next_slot = deque(), None, 0
 
     def start_pass(self) -> None:
         """Keep what the last pass prefetched for its first layers, drop an interrupted pass's."""
@@ -375,10 +369,8 @@ class LayerRing:
         return self.slots[load.slot]
 
     def release(self) -> None:
-        """The slot may be refilled once the compute queued so far has run (an exception too)."""
-        if self.in_use is not None:
-            self.freed[self.in_use.slot] = self.ops.record("compute")
-            self.in_use = None
+        """The slot in use may be refilled once the compute queued so far has run."""
+        self.freed[self.in_use.slot], self.in_use = self.ops.record("compute"), None
 
     def drain(self) -> None:
         """Let loads in flight finish and forget them: the next pass starts cold."""
@@ -424,15 +416,13 @@ round_up = lambda nbytes: -(-nbytes // PAGE) * PAGE  # to whole pages
 
 
 class Storage:
-    """Where layers' bytes live. `layouts[i]`: what a load of layer i moves into a slot. `load`
-    queues a layer's way into a slot and returns the event compute waits for; `load_resident`
-    does it once for a resident layer, into a buffer it binds for good."""
+    """Where layers' bytes live. `layouts[i]`, a Layout: what a load of layer i moves into a slot.
+    `load` queues a layer's way into a slot and returns the event compute waits for;
+    `load_resident` does it once for a resident layer, into a buffer it binds for good."""
 
-    layouts: list[Layout]
     reads_ssd = False  # whether a load blocks the host on the SSD
 
-    def views(self, layer: int, slot: torch.Tensor) -> dict[str, torch.Tensor]:  # its parameters
-        return self.layouts[layer].views(slot)
+    views = lambda self, layer, slot: self.layouts[layer].views(slot)  # its parameters
 
     resident_views = views  # a resident layer's buffer is a slot
     load_resident = lambda self, layer, buffer, ops: self.load(layer, buffer, ops)
@@ -466,14 +456,8 @@ class RamStorage(Storage):
             self.arena, self.buffers = None, []
 
 
-@dataclass
-class Read:
-    """One pread: `nbytes` of `path` from `file_offset` (whole pages asked) to `buffer_offset`."""
-
-    path: Path
-    file_offset: int
-    nbytes: int
-    buffer_offset: int
+# One pread: `nbytes` of `path` from `file_offset` (whole pages asked) to `buffer_offset`
+Read = namedtuple("Read", "path file_offset nbytes buffer_offset")
 
 
 def plan_reads(entries: dict[str, files.Entry]) -> tuple[Layout, list[Read]]:
@@ -486,9 +470,8 @@ def plan_reads(entries: dict[str, files.Entry]) -> tuple[Layout, list[Read]]:
         covered = last.file_offset + round_up(last.nbytes) if last else 0  # the range's file end
         if not (last and last.path == entry.path and entry.start <= covered):  # a new range
             end = last.buffer_offset + round_up(last.nbytes) if last else 0  # its buffer end
-            last = Read(entry.path, entry.start // PAGE * PAGE, 0, end)
-            reads.append(last)
-        last.nbytes = entry.end - last.file_offset
+            reads.append(Read(entry.path, entry.start // PAGE * PAGE, 0, end))
+        last = reads[-1] = reads[-1]._replace(nbytes=entry.end - reads[-1].file_offset)
         offset = last.buffer_offset + entry.start - last.file_offset
         tensors[name] = TensorSpec(offset, entry.dtype, entry.shape)
     return Layout(tensors, reads[-1].buffer_offset + round_up(reads[-1].nbytes)), reads
@@ -501,17 +484,18 @@ class SsdStorage(Storage):
     overlap; chunk k is read into again once its last copy finished, the one wait that blocks the
     host. Read straight in (O_DIRECT), tensors keep their file's alignment (CPUs don't mind)."""
 
-    piece_nbytes = 32 * 2**20  # the most one pread asks for (through staging: a chunk)
-    reads_ssd = True
+    # piece_nbytes: the most one pread asks for (through staging: a chunk)
+    piece_nbytes, reads_ssd = 32 * 2**20, True
 
     def __init__(self, layers: list[dict[str, files.Entry]], ops):
         self.layouts, self.reads = zip(*(plan_reads(entries) for entries in layers), strict=True)
-        self.entries = layers  # name -> where in its file, per layer
         if ops.staging:  # copied on from staging: each tensor where `pack` puts it
             self.layouts = [pack(entries) for entries in layers]
-        self.ops, self.fds, self.chunks = ops, {}, []  # what close() gives back, however far
+        # entries: name -> where in its file, per layer; fds and chunks: what close() gives back,
+        # however far __init__ got before failing
+        self.entries, self.ops, self.fds, self.chunks = layers, ops, {}, []
         self.pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="offload-ssd")
-        try:  # __init__ got before failing
+        try:
             for path in {read.path for reads in self.reads for read in reads}:
                 self.fds[path] = files.open_direct(path)
             count, self.piece_nbytes = ops.staging or (0, self.piece_nbytes)
@@ -610,8 +594,7 @@ class Dequantizing(Storage):
         as_moved = {name: t for name, t in moved.items() if not name.endswith((".q", ".scale"))}
         return as_moved | self.weights.views(slot[self.sizes.moved :])
 
-    def close(self) -> None:
-        self.storage.close()
+    close = lambda self: self.storage.close()
 
 
 # ---- the device: what the ring asks of it (buffers, copies, events), on CUDA or the CPU ----
@@ -627,9 +610,9 @@ class Cpu:
     """Each "stream" is the thread that issues its work (copy and dequant: the reader; compute: the
     caller), run in order: an event is done once recorded, the time it was, and waits are free."""
 
-    staging = None  # slots are host memory: an ssd read lands in one directly, not via staging
-    queues = False  # copies run when issued, on the issuing thread (the reader's, beside compute)
-    device, pinned_bytes = torch.device("cpu"), 0
+    # staging None: slots are host memory, where an ssd read lands directly. queues False: copies
+    # run when issued, on the issuing thread (the reader's, beside compute)
+    staging, queues, device, pinned_bytes = None, False, torch.device("cpu"), 0
     # wait_event(stream, event), host_wait(event), free_host(buffer), close(): nothing to do
     wait_event = host_wait = free_host = close = lambda self, *args: None
     record = lambda self, stream: time.perf_counter()  # an event: when it was recorded
@@ -646,8 +629,9 @@ class Cuda(Cpu):
     for byte (`pin_memory=True` rounds up to a power of two: 16 GiB for a 12 GiB model). Right by
     construction; the tests run its ordering on a fake device."""
 
-    staging = (4, 32 * 2**20)  # pinned chunks an ssd read passes through: count, bytes each
-    queues = True  # a copy is queued on the copy stream and the host goes on at once
+    # staging: pinned chunks an ssd read passes through (count, bytes each); queues: a copy is
+    # queued on the copy stream and the host goes on at once
+    staging, queues = (4, 32 * 2**20), True
 
     def __init__(self, device: torch.device):
         self.device, self.registered, self.pinned_bytes = device, [], 0
@@ -685,13 +669,12 @@ class Cuda(Cpu):
     wait_event = lambda self, stream, event: self.stream(stream).wait_event(event)  # host goes on
     host_wait = lambda self, event: event.synchronize()
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        with torch.cuda.stream(self.streams["copy"]):
-            dst.copy_(src, non_blocking=True)
+    def on(self, stream: str, fn, *args, **kwargs) -> None:
+        with torch.cuda.stream(self.streams[stream]):
+            fn(*args, **kwargs)
 
-    def convert(self, fn, *args) -> None:
-        with torch.cuda.stream(self.streams["dequant"]):
-            fn(*args)
+    copy = lambda self, dst, src: self.on("copy", dst.copy_, src, non_blocking=True)
+    convert = lambda self, fn, *args: self.on("dequant", fn, *args)
 
     def close(self) -> None:
         for buffer in list(self.registered):  # what a storage left pinned (normally nothing)

@@ -30,10 +30,9 @@ class OffloadError(ValueError):
     """Bad input to the offloader or a bad model folder: one line that says what and where."""
 
 
-def one_line(err: BaseException) -> str:
-    """An exception's message on one line, for an error of ours to quote: all of it (transformers
-    puts the reason on a second line), cut at 300 characters; its type where it has none."""
-    return " ".join(str(err).split())[:300] or type(err).__name__
+# An exception's message on one line, for an error of ours to quote: all of it (transformers puts
+# the reason on a second line), cut at 300 characters; its type where it has none
+one_line = lambda err: " ".join(str(err).split())[:300] or type(err).__name__
 
 
 def check_options(opts):
@@ -52,20 +51,16 @@ def check_options(opts):
     for name, least in (lowest | dict(lookup=0, draft_threads=0)).items():
         if getattr(opts, name) not in ("auto", None) and getattr(opts, name) < least:
             raise SpecExecError(f"{name} must be at least {least}, got {getattr(opts, name)}")
-    # A floor: logits / temperature stays finite for any float32 logit (3.4e38 / 1e-4 fits
-    # a float64), and below 1e-4 sampling is greedy decoding in all but exact ties anyway.
-    if not (opts.temperature == 0 or 1e-4 <= opts.temperature < math.inf):
-        raise SpecExecError(f"temperature must be 0 or in [1e-4, inf), got {opts.temperature}")
-    if not 0 < opts.top_p <= 1:
-        raise SpecExecError(f"top_p must be in (0, 1], got {opts.top_p}")
-    if opts.seed is not None and not 0 <= opts.seed < 2**64:
-        raise SpecExecError(f"seed must be in [0, 2**64), got {opts.seed}")
-    if opts.draft_temperature is not None and not 1e-2 <= opts.draft_temperature < math.inf:
-        raise SpecExecError(
-            f"draft_temperature must be in [0.01, inf), got {opts.draft_temperature}"
-        )
-    if (opts.draft_threads or 0) > (cores := os.cpu_count() or 1):  # torch would crash
-        raise SpecExecError(
-            f"draft_threads must be at most {cores} (the cores here), got {opts.draft_threads}"
-        )
+    cores = os.cpu_count() or 1  # more draft threads than cores: torch would crash
+    for name, ok, bounds in [
+        # A floor: logits / temperature stays finite for any float32 logit (3.4e38 / 1e-4 fits
+        # a float64), and below 1e-4 sampling is greedy decoding in all but exact ties anyway.
+        ("temperature", lambda t: t == 0 or 1e-4 <= t < math.inf, "0 or in [1e-4, inf)"),
+        ("top_p", lambda p: 0 < p <= 1, "in (0, 1]"),
+        ("seed", lambda s: s is None or 0 <= s < 2**64, "in [0, 2**64)"),
+        ("draft_temperature", lambda t: t is None or 1e-2 <= t < math.inf, "in [0.01, inf)"),
+        ("draft_threads", lambda n: (n or 0) <= cores, f"at most {cores} (the cores here)"),
+    ]:
+        if not ok(value := getattr(opts, name)):
+            raise SpecExecError(f"{name} must be {bounds}, got {value}")
     return opts

@@ -2,7 +2,7 @@
 
 `Checkpoint` finds each tensor of a model folder (a byte range of a safetensors shard, or a tensor
 memory-mapped from a .bin shard), for both tiers: in memory (models.load) and offloaded
-(offload.py). `convert` writes the per-layer safetensors copy that the ssd tier reads when the
+(offload.py). `ssd_layers` writes the per-layer safetensors copy that the ssd tier reads when the
 checkpoint's own files cannot be read as they are (another dtype, .bin, quantized). The checks of
 a folder as a whole (config, family, every weight present) are models.open_model's.
 """
@@ -20,9 +20,9 @@ import signal
 import sys
 import threading
 import zipfile
+from collections import namedtuple
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -31,16 +31,9 @@ from tqdm import tqdm
 
 from specexec_tools import OffloadError, one_line, quantize
 
-
-@dataclass(frozen=True)
-class Entry:
-    """One tensor of a safetensors file, as the file's header describes it."""
-
-    path: Path
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    start: int  # absolute byte offsets in the file
-    end: int
+# One tensor of a safetensors file, as the file's header describes it; start and end: absolute
+# byte offsets in the file
+Entry = namedtuple("Entry", "path dtype shape start end")
 
 
 def pread_into(fd: int, buffer: torch.Tensor, file_offset: int, path: Path, needed=None) -> None:
@@ -53,8 +46,7 @@ def pread_into(fd: int, buffer: torch.Tensor, file_offset: int, path: Path, need
         try:
             got = os.preadv(fd, [target[done:]], file_offset + done)
         except OSError as err:
-            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
-            direct = getattr(os, "O_DIRECT", 0)
+            flags, direct = fcntl.fcntl(fd, fcntl.F_GETFL), getattr(os, "O_DIRECT", 0)
             if err.errno != errno.EINVAL or not flags & direct:
                 raise OffloadError(f"cannot read {path}: {err.strerror or err}") from None
             # a filesystem that took O_DIRECT at open and refuses the read (or a short read
@@ -89,29 +81,21 @@ def read_header(path: Path) -> dict[str, Entry]:
     size = path.stat().st_size
     with open(path, "rb") as file:
         length = int.from_bytes(file.read(8), "little")
-        if size < 8 or 8 + length > size:
+        if 8 + length > size:  # a file of less than 8 bytes too
             raise OffloadError(f"truncated safetensors shard {path}: header runs past the end")
         try:
             header = json.loads(file.read(length))
             header.pop("__metadata__", None)
-            infos = {
-                name: (info["dtype"], info["data_offsets"], info["shape"])
-                for name, info in header.items()
-            }
+            infos = {n: (i["dtype"], i["data_offsets"], i["shape"]) for n, i in header.items()}
         except (ValueError, KeyError, TypeError, AttributeError):
             raise OffloadError(f"corrupt safetensors shard {path}: header is not one") from None
-    entries = {}
+    entries, base = {}, 8 + length  # the header's offsets count from its end
     for name, (dtype, (start, end), shape) in infos.items():
         if dtype not in DTYPES:
             raise OffloadError(f"{path}: tensor {name} has unsupported dtype {dtype}")
-        entries[name] = Entry(
-            path, DTYPES[dtype], tuple(shape), 8 + length + start, 8 + length + end
-        )
-    needed = max((entry.end for entry in entries.values()), default=0)
-    if needed > size:
-        raise OffloadError(
-            f"truncated safetensors shard {path}: {size} bytes, header says {needed}"
-        )
+        entries[name] = Entry(path, DTYPES[dtype], tuple(shape), base + start, base + end)
+    if (last := max((entry.end for entry in entries.values()), default=0)) > size:
+        raise OffloadError(f"truncated safetensors shard {path}: {size} bytes, header says {last}")
     return entries
 
 
@@ -119,26 +103,22 @@ class Checkpoint:
     """The tensors of a model folder: safetensors shards (read by byte range) or .bin shards."""
 
     def __init__(self, folder: Path):
+        # entries: name -> Entry, where a safetensors tensor's bytes are; mapped: name -> a .bin
+        # tensor memory-mapped by torch.load; sources: model name -> how it is built (`name_as`)
+        self.folder, self.shards, self.entries, self.mapped, self.sources = folder, [], {}, {}, {}
         try:
-            self.find_tensors(folder)
-        except OSError as err:  # unreadable (a hub cache file of mode 600 that is not ours)
-            raise OffloadError(f"cannot read {err.filename or folder}: {err.strerror}") from None
-
-    def find_tensors(self, folder: Path) -> None:
-        self.folder, self.shards = folder, []
-        self.entries: dict[str, Entry] = {}  # safetensors: where each tensor's bytes are
-        self.mapped: dict[str, torch.Tensor] = {}  # .bin: tensors memory-mapped by torch.load
-        self.sources: dict[str, tuple] = {}  # model name -> how it is built (`name_as`)
-        for weights in ("model.safetensors", "pytorch_model.bin"):
-            index = folder / f"{weights}.index.json"
-            if index.exists():
-                try:  # "metadata" (the total size) is optional: the weight map is what we read
-                    files = json.loads(index.read_text())["weight_map"].values()
-                except (ValueError, KeyError, TypeError, AttributeError):
-                    raise OffloadError(f"corrupt checkpoint index {index}") from None
-                self.shards = sorted({folder / file for file in files})
-            elif (folder / weights).exists():
-                self.shards = [folder / weights]
+            for weights in ("model.safetensors", "pytorch_model.bin"):  # safetensors' first
+                index = folder / f"{weights}.index.json"
+                if index.exists():
+                    try:  # "metadata" (the total size) is optional: the weight map is what we read
+                        files = json.loads(index.read_text())["weight_map"].values()
+                    except (ValueError, KeyError, TypeError, AttributeError):
+                        raise OffloadError(f"corrupt checkpoint index {index}") from None
+                    self.shards = sorted({folder / file for file in files})
+                elif (folder / weights).exists():
+                    self.shards = [folder / weights]
+                if self.shards:
+                    break
             for shard in self.shards:
                 if not shard.is_file():
                     raise OffloadError(f"missing checkpoint shard {shard}")
@@ -154,9 +134,10 @@ class Checkpoint:
                 except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as err:
                     reason = one_line(err) if mmap else "no zip, nor a legacy torch.save of tensors"
                     raise OffloadError(f"corrupt checkpoint shard {shard}: {reason}") from None
-            if self.shards:
-                return
-        raise OffloadError(f"no model.safetensors or pytorch_model.bin weights in {folder}")
+        except OSError as err:  # unreadable (a hub cache file of mode 600 that is not ours)
+            raise OffloadError(f"cannot read {err.filename or folder}: {err.strerror}") from None
+        if not self.shards:
+            raise OffloadError(f"no model.safetensors or pytorch_model.bin weights in {folder}")
 
     def name_as(self, model) -> None:
         """Serve tensors under `model`'s names where transformers renames them while loading.
@@ -166,19 +147,15 @@ class Checkpoint:
         (gate; up) x hidden) and converts as it loads, by rules it keeps per family. We follow
         the same rules, one layer at a time: `tensor` builds a stacked tensor from its sources.
         """
+        import transformers.core_model_loading as loading
         from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import (
-            WeightConverter,
-            dot_natural_key,
-            rename_source_key,
-        )
 
-        self.sources = {}  # named again for this model
         rules = get_model_conversion_mapping(model)
-        converters = [rule for rule in rules if isinstance(rule, WeightConverter)]
-        renamings = [rule for rule in rules if not isinstance(rule, WeightConverter)]
-        for key in sorted([*self.entries, *self.mapped], key=dot_natural_key):  # expert 2 < 10
-            name, pattern = rename_source_key(key, renamings, converters)
+        converters = [rule for rule in rules if isinstance(rule, loading.WeightConverter)]
+        renamings = [rule for rule in rules if not isinstance(rule, loading.WeightConverter)]
+        # in natural order: expert 2 before expert 10
+        for key in sorted([*self.entries, *self.mapped], key=loading.dot_natural_key):
+            name, pattern = loading.rename_source_key(key, renamings, converters)
             if name != key:  # model name -> (its rule, [(stored name, the rule's pattern)])
                 rule = next((c for c in converters if pattern in c.source_patterns), None)
                 self.sources.setdefault(name, (rule, []))[1].append((key, pattern))
@@ -187,9 +164,7 @@ class Checkpoint:
         """One tensor as the checkpoint stores it, on the host."""
         if name in self.mapped:
             return self.mapped[name]
-        if name not in self.entries:
-            raise OffloadError(f"{self.folder}: the checkpoint has no tensor {name}")
-        entry = self.entries[name]
+        entry = self.entries[name]  # every name read was checked (check_weights, check_layers)
         found = torch.empty(entry.end - entry.start, dtype=torch.uint8)  # (nbytes,)
         with open(entry.path, "rb") as file:
             pread_into(file.fileno(), found, entry.start, entry.path)
@@ -214,18 +189,11 @@ class Checkpoint:
     def spec(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
         """Stored dtype and shape of one tensor."""
         if name in self.sources:  # built by a rule: its sources' dtype, its shape from meta ones
-            first_source = self.sources[name][1][0][0]
             found = self.convert(name, lambda key: torch.empty(self.spec(key)[1], device="meta"))
-            return self.spec(first_source)[0], tuple(found.shape)
-        if name in self.entries:
-            return self.entries[name].dtype, self.entries[name].shape
-        if name in self.mapped:
-            return self.mapped[name].dtype, tuple(self.mapped[name].shape)
-        raise OffloadError(f"{self.folder}: the checkpoint has no tensor {name}")
-
-    def check(self, name: str, shape: tuple[int, ...]) -> None:
-        if (found := self.spec(name)[1]) != tuple(shape):
-            raise OffloadError(f"{self.folder}: {name} has shape {found}, config wants {shape}")
+            return self.spec(self.sources[name][1][0][0])[0], tuple(found.shape)
+        if (found := self.entries.get(name) or self.mapped.get(name)) is None:  # Entry or tensor
+            raise OffloadError(f"{self.folder}: the checkpoint has no tensor {name}")
+        return found.dtype, tuple(found.shape)
 
     def check_layers(self, model, kind: str | None = None) -> dict[str, tuple[int, ...]]:
         """What a decoder layer of `model` (a meta skeleton) holds, name -> shape, once every
@@ -236,23 +204,24 @@ class Checkpoint:
             family = model.config.model_type
             raise OffloadError(f"{self.folder}: {family} has no decoder layers at model.layers")
         shapes = {name: tuple(p.shape) for name, p in layers[0].named_parameters()}
-        for i in range(len(layers)):
-            for name, shape in shapes.items():
-                self.check(f"model.layers.{i}.{name}", shape)
+        every = {f"model.layers.{i}.{n}": s for i in range(len(layers)) for n, s in shapes.items()}
+        for name, shape in every.items():
+            if (found := self.spec(name)[1]) != shape:
+                raise OffloadError(f"{self.folder}: {name} has shape {found}, config wants {shape}")
         try:  # quantize.py's arithmetic refuses with a ValueError; here it is a one-line error
             quantize.stored_layer(shapes, torch.float32, kind)
         except ValueError as err:
             raise OffloadError(str(err)) from None
         return shapes
 
-    def tensor(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """One tensor on the host, in its stored dtype; the model's name (see `name_as`).
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor on the host, in its stored dtype; the model's name (see `name_as`); its shape
+        is the one check_weights found the model asks for.
 
         Checked finite as it is read: a NaN or inf weight would otherwise surface as non-finite
         logits of whatever computes with it first, a quantized copy as draft, say, which is then
         blamed for the checkpoint's fault. (Every tensor read here is read whole anyway: into
         memory, into RAM for the offloader, or into a converted copy.)"""
-        self.check(name, tuple(shape))
         found = self.convert(name, self.stored) if name in self.sources else self.stored(name)
         # A sum is NaN or inf iff an element is; in float64 no finite weight overflows it
         if found.is_floating_point() and not math.isfinite(found.sum(dtype=torch.float64)):
@@ -270,9 +239,8 @@ class Checkpoint:
             raise OffloadError(f"{self.folder}: no decoder layers at model.layers to stream")
         return self.spec(names[0])[0]
 
-    def layer(self, i: int, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-        """Decoder layer i's tensors, by their names inside the layer, in their stored dtypes."""
-        return {name: self.tensor(f"model.layers.{i}.{name}", s) for name, s in shapes.items()}
+    # Decoder layer i's tensors, by their names inside the layer (`shapes`' keys), stored dtypes
+    layer = lambda self, i, shapes: {n: self.tensor(f"model.layers.{i}.{n}") for n in shapes}
 
     def fingerprint(self) -> str:
         """Changes when the checkpoint's files do: an older offload folder is then not reused.
@@ -280,10 +248,8 @@ class Checkpoint:
         The change time (ctime) too, not only the modification time: `touch -r`, `cp -p`,
         `rsync -a` and `tar x` restore a replaced file's mtime, but no user can set its ctime,
         which every write (and every such restore) moves on."""
-        stamps = []
-        for shard in self.shards:
-            stat = shard.stat()
-            stamps.append((shard.name, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns))
+        stats = zip(self.shards, map(os.stat, self.shards))
+        stamps = [(shard.name, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for shard, s in stats]
         return hashlib.sha1(repr((str(self.folder.resolve()), stamps)).encode()).hexdigest()[:12]
 
 
@@ -307,29 +273,22 @@ def check_weights(ckpt: Checkpoint, model: torch.nn.Module) -> None:
     have = {name: ckpt.spec(name)[1] for name in ckpt.names()}
     if ties_head(model):
         del want[HEAD]
-        if HEAD in have and not (
-            have[HEAD] == have.get(EMBEDDING)
-            and torch.equal(ckpt.tensor(HEAD, have[HEAD]), ckpt.tensor(EMBEDDING, have[HEAD]))
+        if (head := have.pop(HEAD, None)) is not None and not (  # a stored head: the embedding?
+            head == have.get(EMBEDDING) and torch.equal(ckpt.tensor(HEAD), ckpt.tensor(EMBEDDING))
         ):
             raise OffloadError(
                 f"{ckpt.folder}: config.json ties lm_head to the embedding (tie_word_embeddings), "
                 "but the checkpoint holds another lm_head.weight"
             )
-        have.pop(HEAD, None)
-    common = sorted(want.keys() & have.keys())
-    for names, what in [
+    shapes = [f"{w} {have[w]} vs {want[w]}" for w in want.keys() & have if have[w] != want[w]]
+    for bad, what in [
         (want.keys() - have.keys(), "lacks {n} weights its config.json asks for"),
         (have.keys() - want.keys(), "holds {n} weights its config.json has no place for"),
-        (
-            [f"{name} {have[name]} vs {want[name]}" for name in common if have[name] != want[name]],
-            "has {n} weights of another shape than its config.json gives",
-        ),
+        (shapes, "has {n} weights of another shape than its config.json gives"),
     ]:
-        if names:
-            first = sorted(names)[0] + (", ..." if len(names) > 1 else "")
-            raise OffloadError(
-                f"{ckpt.folder}: the checkpoint {what.format(n=len(names))} ({first})"
-            )
+        if bad:  # the names at fault, the first of them named
+            first = sorted(bad)[0] + (", ..." if len(bad) > 1 else "")
+            raise OffloadError(f"{ckpt.folder}: the checkpoint {what.format(n=len(bad))} ({first})")
 
 
 # ---- the ssd tier's files: the checkpoint's own, or a converted copy with one file per layer ----
@@ -339,27 +298,68 @@ def ssd_layers(
     ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, kind, offload_dir
 ) -> tuple[list[dict[str, Entry]], Path | None]:
     """Where the ssd tier reads each decoder layer's tensors (name -> Entry, a dict per layer):
-    the checkpoint's own safetensors where they will do (`reads_in_place`); else a converted
-    copy, whose folder is returned too."""
+    the checkpoint's own safetensors where they will do (`reads_in_place`); else a copy with one
+    safetensors file per layer, in `dtype` or quantized (kind "int8" or "int4", as
+    quantize.quantize_layer stores it), whose folder is returned too: written once, later runs
+    check the folder and reuse it.
+
+    The manifest goes last and records each file's size and SHA-256: a folder left by a failed
+    run (disk full, killed) is never taken for a finished one, and a copy damaged since (bytes
+    zeroed, files swapped) is written again. One run at a time writes into or checks a copy in
+    offload_dir (a lock on it): a second run waits, then reuses what the first wrote.
+    """
     if reads_in_place(ckpt, dtype, kind):
         names = [[f"model.layers.{i}.{n}" for n in shapes] for i in range(n_layers)]
         return [dict(zip(shapes, map(ckpt.entries.get, layer))) for layer in names], None
-    folder = convert(ckpt, shapes, n_layers, dtype, offload_dir, kind)
-    return [read_header(path) for path in layer_files(folder, n_layers)], folder
+    if offload_dir is None:
+        raise OffloadError(f"{ckpt.folder} needs a one-time conversion for ssd; pass offload_dir")
+    folder = copy_folder(ckpt, dtype, kind, offload_dir)  # "~/copies": in the home folder
+    offload_dir, dtype_name = folder.parent, str(dtype).removeprefix("torch.")
+    manifest = {"source": str(ckpt.folder.resolve()), "dtype": dtype_name, "layers": n_layers}
+    manifest["quantize"] = kind
+    files = [folder / f"layer_{i:03d}.safetensors" for i in range(n_layers)]
+    try:
+        offload_dir.mkdir(parents=True, exist_ok=True)
+        with locked(offload_dir):
+            damage = copy_damage(folder, manifest, files)
+            if damage is None:  # converted by an earlier run
+                return [read_header(path) for path in files], folder
+            stored = quantize.stored_layer(shapes, dtype, kind)  # meta: dtypes and shapes
+            nbytes = len(files) * sum(t.nbytes for t in stored.values())
+            size = f"{nbytes / 1e9:.2f} GB {copy_label(dtype, kind)}"
+            # Refused before the first byte (a full disk would stop it part-way, after minutes of
+            # writing); a damaged copy's files count as room, being replaced. 64 KiB: a header
+            needed = nbytes + len(files) * 2**16
+            held = sum(f.stat().st_size for f in folder.glob("*") if f.is_file())  # none: 0
+            if needed > (free := shutil.disk_usage(offload_dir).free + held):
+                raise OffloadError(
+                    f"the converted copy needs {needed / 1e9:.3g} GB, but {offload_dir} has "
+                    f"{free / 1e9:.3g} GB free: free space there or choose another --offload-dir"
+                )
+            say = f"the {size} copy in {folder} is damaged ({damage}); writing it again"
+            if not damage:
+                say = (
+                    f"writing a {size} per-layer copy of {ckpt.folder} into {folder} "
+                    "(reused next time; delete it to free the space)"
+                )
+            print(f"offload: {say}", file=sys.stderr)
+            write_copy(ckpt, shapes, dtype, kind, folder, manifest, files)
+    except OSError as err:
+        raise OffloadError(f"cannot write offload folder {folder}: {err.strerror or err}") from None
+    return [read_header(path) for path in files], folder
 
 
 def reads_in_place(ckpt: Checkpoint, dtype, kind) -> bool:
     """Whether the ssd tier streams the checkpoint's own files: every decoder layer's tensor is
     stored as the model names it (not stacked from a mixture's experts, not in a .bin), in
     `dtype`, at an offset a view of `dtype` can start at, and is not to be quantized."""
-    names = [name for name in ckpt.names() if name.startswith("model.layers.")]
-    entries = [ckpt.entries.get(name) for name in names]
+    entries = [ckpt.entries.get(n) for n in ckpt.names() if n.startswith("model.layers.")]
     fits = all(e and e.dtype == dtype and e.start % dtype.itemsize == 0 for e in entries)
     return fits and kind is None
 
 
 def copy_folder(ckpt: Checkpoint, dtype, kind, offload_dir) -> Path:
-    """Where `convert` writes (or finds) the copy of `ckpt` in `dtype`, quantized as `kind` says:
+    """Where `ssd_layers` writes (or finds) the copy of `ckpt` in `dtype`, quantized as `kind` says:
     named for the checkpoint's files as they are now (`fingerprint`), so a changed checkpoint
     gets a new copy."""
     name = f"{ckpt.folder.name}-{ckpt.fingerprint()}-{copy_label(dtype, kind)}"
@@ -378,8 +378,7 @@ def check_offload_dir(offload_dir) -> None:
 
 def copy_label(dtype, kind) -> str:
     """int8-float16: int8 levels with float16 scales; float64: unquantized float64."""
-    dtype_name = str(dtype).removeprefix("torch.")
-    return f"{kind}-{dtype_name}" if kind else dtype_name
+    return (f"{kind}-" if kind else "") + str(dtype).removeprefix("torch.")
 
 
 def check_removable(ckpt: Checkpoint, dtype, kind, offload_dir) -> None:
@@ -397,64 +396,6 @@ def check_removable(ckpt: Checkpoint, dtype, kind, offload_dir) -> None:
                 f"--offload-clean: the converted copy {folder} could not be removed after the "
                 f"run ({where} is read-only); drop --offload-clean or pass another --offload-dir"
             )
-
-
-def layer_files(folder: Path, n_layers: int) -> list[Path]:
-    return [folder / f"layer_{i:03d}.safetensors" for i in range(n_layers)]
-
-
-def convert(ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, offload_dir, kind=None) -> Path:
-    """Write one safetensors file per layer, in `dtype` or quantized (kind "int8" or "int4", as
-    quantize.quantize_layer stores it), once; later runs check the folder and reuse it.
-
-    The manifest goes last and records each file's size and SHA-256: a folder left by a failed
-    run (disk full, killed) is never taken for a finished one, and a copy damaged since (bytes
-    zeroed, files swapped) is written again. One run at a time writes into or checks a copy in
-    offload_dir (a lock on it): a second run waits, then reuses what the first wrote.
-    """
-    if offload_dir is None:
-        raise OffloadError(f"{ckpt.folder} needs a one-time conversion for ssd; pass offload_dir")
-    folder = copy_folder(ckpt, dtype, kind, offload_dir)  # "~/copies": in the home folder
-    offload_dir, label = folder.parent, copy_label(dtype, kind)
-    dtype_name = str(dtype).removeprefix("torch.")
-    manifest = {"source": str(ckpt.folder.resolve()), "dtype": dtype_name, "layers": n_layers}
-    manifest["quantize"] = kind
-    files = layer_files(folder, n_layers)
-    try:
-        offload_dir.mkdir(parents=True, exist_ok=True)
-        with locked(offload_dir):
-            damage = copy_damage(folder, manifest, files)
-            if damage is None:
-                return folder  # converted by an earlier run
-            stored = quantize.stored_layer(shapes, dtype, kind)  # meta: dtypes and shapes
-            nbytes = len(files) * sum(t.nbytes for t in stored.values())
-            size = f"{nbytes / 1e9:.2f} GB {label}"
-            check_space(offload_dir, folder, nbytes + len(files) * 2**16)  # 64 KiB: a header
-            if damage:
-                say = f"the {size} copy in {folder} is damaged ({damage}); writing it again"
-            else:
-                say = (
-                    f"writing a {size} per-layer copy of {ckpt.folder} into {folder} "
-                    "(reused next time; delete it to free the space)"
-                )
-            print(f"offload: {say}", file=sys.stderr)
-            write_copy(ckpt, shapes, dtype, kind, folder, manifest, files)
-    except OSError as err:
-        raise OffloadError(f"cannot write offload folder {folder}: {err.strerror or err}") from None
-    return folder
-
-
-def check_space(offload_dir: Path, folder: Path, needed: int) -> None:
-    """Refuse a copy of `needed` bytes that `offload_dir` has no room for, before its first byte
-    (a full disk would stop it part-way, after minutes of writing); a damaged copy's files in
-    `folder` count as room, being replaced."""
-    held = sum(f.stat().st_size for f in folder.iterdir() if f.is_file()) if folder.is_dir() else 0
-    free = shutil.disk_usage(offload_dir).free + held
-    if needed > free:
-        raise OffloadError(
-            f"the converted copy needs {needed / 1e9:.3g} GB, but {offload_dir} has "
-            f"{free / 1e9:.3g} GB free: free space there or choose another --offload-dir"
-        )
 
 
 @contextmanager
@@ -511,63 +452,50 @@ def sha256(path: Path) -> str:
 
 
 def write_copy(ckpt, shapes, dtype, kind, folder: Path, manifest: dict, files: list[Path]):
-    """Convert every layer into its file, then write the manifest; on any failure remove them."""
+    """Convert every layer into its file, then write the manifest; on any failure remove them.
+
+    Meanwhile SIGTERM (`kill`, a job scheduler's stop, a closing terminal's session) raises
+    Terminated, as Ctrl-C raises KeyboardInterrupt, so that a half-written copy is removed before
+    the process ends. Left alone where the program handles SIGTERM itself, and outside the main
+    thread (where Python cannot set a handler)."""
     from safetensors.torch import save
 
-    sums = {}
+    sums, main = {}, threading.current_thread() is threading.main_thread()
+    if ours := main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, terminate)
     try:
-        with sigterm_raises():
-            folder.mkdir(parents=True, exist_ok=True)
-            (folder / "manifest.json").unlink(missing_ok=True)  # unfinished until written again
-            for i in tqdm(range(len(files)), desc=f"offload: converting layers into {folder}"):
-                data = save(quantize.quantize_layer(ckpt.layer(i, shapes), dtype, kind))
-                write_then_rename(files[i], data)
-                sums[files[i].name] = [len(data), hashlib.sha256(data).hexdigest()]
-            write_then_rename(
-                folder / "manifest.json", json.dumps({**manifest, "files": sums}).encode()
-            )
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "manifest.json").unlink(missing_ok=True)  # unfinished until written again
+        for i in tqdm(range(len(files)), desc=f"offload: converting layers into {folder}"):
+            data = save(quantize.quantize_layer(ckpt.layer(i, shapes), dtype, kind))
+            write_then_rename(files[i], data)
+            sums[files[i].name] = [len(data), hashlib.sha256(data).hexdigest()]
+        write_then_rename(folder / "manifest.json", json.dumps(manifest | {"files": sums}).encode())
     except BaseException as err:  # a full disk, Ctrl-C, SIGTERM: what was written only takes space
+        if ours:  # from here on SIGTERM ends the process again
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         shutil.rmtree(folder, ignore_errors=True)
         if isinstance(err, Terminated):  # end as SIGTERM ends a process, now that it is tidy
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
             os.kill(os.getpid(), signal.SIGTERM)
         raise
-
-
-class Terminated(BaseException):
-    """SIGTERM, raised while a copy is being written (`sigterm_raises`)."""
-
-
-@contextmanager
-def sigterm_raises():
-    """SIGTERM (`kill`, a job scheduler's stop, a closing terminal's session) raises Terminated
-    inside this block, as Ctrl-C raises KeyboardInterrupt, so that a half-written copy is removed
-    before the process ends. Left alone where the program handles SIGTERM itself, and outside
-    the main thread (where Python cannot set a handler)."""
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
-    ):
-        yield
-        return
-
-    def terminate(signum, frame):
-        raise Terminated
-
-    signal.signal(signal.SIGTERM, terminate)
-    try:
-        yield
-    finally:
+    if ours:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised while a copy is being written (`write_copy`)."""
+
+
+def terminate(signum, frame):
+    raise Terminated
+
+
 def write_then_rename(path: Path, data: bytes) -> None:
+    """Write `path` whole or not at all; a failed write's temporary file goes with the copy's
+    folder (write_copy)."""
     temporary = path.with_name(path.name + ".tmp")
-    try:
-        with open(temporary, "wb") as file:
-            file.write(data)
-            file.flush()
-            os.fsync(file.fileno())  # the rename must not reach the disk before the bytes do
-        os.replace(temporary, path)  # atomic: the file is either absent or whole
-    finally:
-        temporary.unlink(missing_ok=True)
+    with open(temporary, "wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())  # the rename must not reach the disk before the bytes do
+    os.replace(temporary, path)  # atomic: the file is either absent or whole

@@ -30,11 +30,10 @@ class FixedBudget:
     max_depth: int
     why: str = ""  # for the summary: why a run with a draft decodes plainly
 
-    def choose(self, left=None):  # left: tokens still to come (auto's looks heed them)
-        return self.budget, self.max_depth
+    # left: tokens still to come (auto's looks heed them)
+    choose = lambda self, left=None: (self.budget, self.max_depth)
 
-    def update(self, step):
-        pass
+    update = lambda self, step: None  # nothing to learn
 
 
 def make_policy(opts, target, draft):
@@ -177,9 +176,9 @@ class CostModel:
 
     BUDGETS = tuple(2**k for k in range(11))  # 1 .. 1024: the tree sizes auto considers
     DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
-    GROWTH, LOOK_EVERY, DEEPEN_EVERY, PRIOR = 4, 20, 4, 4
-    PRIOR_TOKENS = 2  # rate_scale starts at 1 as if two tokens had come as promised
-    STREAMED = 100  # draft passes a target pass outlasts when the target streams its weights
+    # PRIOR_TOKENS: rate_scale starts at 1 as if two tokens had come as promised. STREAMED: draft
+    # passes a target pass outlasts when the target streams its weights
+    GROWTH, LOOK_EVERY, DEEPEN_EVERY, PRIOR, PRIOR_TOKENS, STREAMED = 4, 20, 4, 4, 2, 100
 
     # ---- the cost ----
 
@@ -203,17 +202,14 @@ class CostModel:
         answers so far (all remembered until a pass is measured: `rates` reads them for every
         candidate at every step, and auto's own time is time plain decoding does not spend)."""
         if not self.curve or self.curve[3] != self.target_s:
-            sizes = sorted(self.target_s)
-            cheapest = [self.target_s[size] for size in sizes]
-            for i in reversed(range(len(sizes) - 1)):
-                cheapest[i] = min(cheapest[i], cheapest[i + 1])
+            sizes = sorted(self.target_s)  # the cheapest: a running minimum from the largest down
+            cheapest = [*accumulate((self.target_s[size] for size in reversed(sizes)), min)][::-1]
             self.curve = sizes, cheapest, {}, dict(self.target_s)
         return self.curve[:3]
 
     def from_parts(self, budget, passes):
         """A step's seconds from its parts: draft passes, one target pass, the rest."""
-        draft = passes * self.draft_s if budget else 0.0
-        return draft + self.t_target(budget + 1) + self.other_s
+        return (passes * self.draft_s if budget else 0.0) + self.t_target(budget + 1) + self.other_s
 
     def seconds(self, choice, passes):
         """A step's seconds: as its steps took, if run; else its parts, scaled."""
@@ -223,9 +219,8 @@ class CostModel:
 
     # ---- the gain ----
 
-    def bin(self, logprob):
-        """Quarter-nat bins of an edge's draft log-probability (at the tree's temperature)."""
-        return min(len(self.seen) - 1, int(-4 * logprob))
+    # Quarter-nat bins of an edge's draft log-probability (at the tree's temperature)
+    bin = lambda self, logprob: min(len(self.seen) - 1, int(-4 * logprob))
 
     def follow_rate(self, logprob):
         """How often the target, at a node it reached, picked a child of this bin; with `PRIOR`
@@ -236,10 +231,8 @@ class CostModel:
 
     def reach(self, tree):
         """The chance that the target walks to each node of the tree (the root: 1)."""
-        cum, parents = tree.cum_logprob, tree.parents  # (n + 1,): the root first
-        reach = [1.0] * len(cum)
-        for node in range(1, len(cum)):  # parents come before children
-            up = parents[node]
+        cum, reach = tree.cum_logprob, [1.0] * len(tree.cum_logprob)  # (n + 1,): the root first
+        for node, up in enumerate(tree.parents[1:], start=1):  # parents come before children
             reach[node] = reach[up] * self.follow_rate(cum[node] - cum[up])
         return reach
 
@@ -280,9 +273,8 @@ class CostModel:
         each node it reached: the path's tokens, then the bonus."""
         budget, depth, passes = step.budget, step.max_depth, step.draft_passes
         choice, other_s = (budget, depth), step.total_s - step.draft_s - step.target_s
-        first = not self.steps
         self.target_s[step.n_fed] = running_mean(self.target_s.get(step.n_fed), step.target_s)
-        if not first:  # the first step reads the prompt too: no step's whole cost
+        if self.steps:  # not the first step, which reads the prompt too: no step's whole cost
             if budget:  # how far the parts fell short of the whole, as predicted
                 predicted = self.from_parts(budget, self.gains.get(choice, (0, passes))[1])
                 self.time_scale = running_mean(self.time_scale, step.total_s / predicted)
@@ -330,9 +322,8 @@ class CostModel:
                 rates[(b, depth)] = scale * gain / self.seconds((b, depth), passes)
         return rates
 
-    def look_cost(self, look):
-        """The most a step of `look` can lose against a plain step: it gives the bonus at least."""
-        return self.seconds(look, self.gains[look][1]) - self.seconds((0, 0), 0)
+    # The most a step of `look` can lose against a plain step: it gives the bonus at least
+    look_cost = lambda self, look: self.seconds(look, self.gains[look][1]) - self.seconds((0, 0), 0)
 
     def choose(self, left=math.inf):
         """This step's (budget, depth), `left` tokens still to come; a tree's predicted (tokens,

@@ -20,7 +20,7 @@ import copy
 import numbers
 import os
 import weakref
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -59,13 +59,10 @@ def find_folder(name: str) -> Path:
     from huggingface_hub import constants, snapshot_download
 
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt"]  # config, weights, tokenizer
-    try:
+    with suppress(OSError, ValueError):  # not in the cache
         return Path(snapshot_download(name, allow_patterns=patterns, local_files_only=True))
-    except (OSError, ValueError):
-        pass  # not in the cache
     # The hub client retries a dead network for half a minute; one quick look decides instead.
-    offline = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else unreachable()
-    if offline:
+    if offline := "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else unreachable(constants):
         raise OffloadError(
             f"{name}: no such folder, not in the Hugging Face cache, and {offline}; "
             "pass a local model folder (or download it once online; HF_HUB_OFFLINE=1 then "
@@ -80,20 +77,17 @@ def find_folder(name: str) -> Path:
     return folder
 
 
-def unreachable() -> str | None:
-    """Why the hub cannot be reached, or None."""
+def unreachable(constants) -> str | None:
+    """Why the hub (at huggingface_hub's `constants.ENDPOINT`) cannot be reached, or None."""
     import socket
     import urllib.request
     from urllib.parse import urlsplit
 
-    from huggingface_hub import constants
-
     url = urlsplit(constants.ENDPOINT)
-    if url.scheme in urllib.request.getproxies():
-        return None  # the client goes through a proxy; let it try
     try:
-        port = url.port or (443 if url.scheme == "https" else 80)
-        socket.create_connection((url.hostname, port), timeout=5).close()
+        if url.scheme not in urllib.request.getproxies():  # through a proxy: let the client try
+            port = url.port or (443 if url.scheme == "https" else 80)
+            socket.create_connection((url.hostname, port), timeout=5).close()
     except OSError as err:
         return f"{url.hostname} cannot be reached ({err.strerror or err})"
     return None
@@ -108,7 +102,6 @@ class Opened:
     config: object  # transformers' PretrainedConfig
     generation_config: object | None  # its generation_config.json (EOS ids), where it has one
     checkpoint: Checkpoint  # where each tensor's bytes are; shapes checked against the config
-    windows: dict  # attention_windows: layer type -> how far back it looks
 
     def skeleton(self, dtype=None) -> torch.nn.Module:
         """The model its config describes, on meta, in `dtype` (default: the checkpoint's)."""
@@ -127,28 +120,25 @@ def open_model(name) -> Opened:
 
     folder = find_folder(str(name))
     try:
-        config = AutoConfig.from_pretrained(folder)
-        generation = None
+        config, generation = AutoConfig.from_pretrained(folder), None
         if (folder / "generation_config.json").is_file():
             generation = GenerationConfig.from_pretrained(folder)
     except Exception as err:  # transformers checks values as it reads them, with its own errors
         raise OffloadError(f"{folder}: cannot load its config ({one_line(err)})") from None
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise OffloadError(f"{folder}: {config.model_type!r} is no causal LM of transformers")
-    counts = ("vocab_size", "hidden_size", "num_hidden_layers", "max_position_embeddings")
-    for count in counts[:3]:
+    for count in ("vocab_size", "hidden_size", "num_hidden_layers"):
         check_count(config, count, folder)  # 0 or -1 layers build an empty model without a word
     model = skeleton(config, folder)  # an unknown activation or rope type: its own error
-    try:
-        windows = listen_to_layers(config)
+    try:  # heard once: every model built from this config hears so (attention_windows)
+        attention_windows(model)
     except SpecExecError as err:  # not supported, or config.json is broken
         raise OffloadError(f"{folder}: {err}") from None
-    check_count(config, counts[3], folder)  # the context (context_length)
+    check_count(config, "max_position_embeddings", folder)  # the context (context_length)
     checkpoint = Checkpoint(folder)
     checkpoint.name_as(model)  # a mixture's experts: stored one by one, stacked in the model
     check_weights(checkpoint, model)
-    _windows[id(config)] = weakref.ref(config), windows  # every model built from it hears so
-    return Opened(folder, config, generation, checkpoint, windows)
+    return Opened(folder, config, generation, checkpoint)
 
 
 def check_count(config, name: str, folder: Path) -> None:
@@ -195,8 +185,8 @@ def attention_windows(model):
     Llama never applies. So we ask the layers (`listen_to_layers`), once per config: a model
     loaded from an Opened folder (in memory or offloaded) has its config's answer already."""
     config = model.config
-    known = _windows.get(id(config))
-    if known is None or known[0]() is not config:  # never heard, or another config since
+    # never heard, or another config since at this id
+    if (known := _windows.get(id(config))) is None or known[0]() is not config:
         _windows[id(config)] = weakref.ref(config), listen_to_layers(config)
     return _windows[id(config)][1]
 
@@ -228,7 +218,8 @@ def listen_to_layers(config):
         with quiet():  # what transformers says of a probe on meta is no news to a user
             # The cache transformers builds for it says what each layer keeps: a step keeps the
             # accepted path by gathering its keys and values, which a recurrent state (Mamba,
-            # linear attention) or a compressed one does not hold.
+            # linear attention) or a compressed one does not hold. Built on the host, not on meta:
+            # there a config it cannot be built for (a null sliding_window) fails, as in a run.
             for layer, kept in enumerate(DynamicCache(config=config).layers):
                 if type(kept).__name__ not in ("DynamicLayer", "DynamicSlidingWindowLayer"):
                     raise UnsupportedModel(
@@ -245,8 +236,7 @@ def listen_to_layers(config):
     except UnsupportedModel:
         raise
     except Exception as error:  # what a family raises on meta tensors or a plain cache varies
-        broken = config_fault(config)  # the family runs trees; this config of it runs nothing
-        if broken:
+        if broken := config_fault(config):  # the family runs trees; this config of it runs nothing
             raise SpecExecError(f"config.json is broken: {broken}") from None
         reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise UnsupportedModel(f"{family} is not supported: a tree pass fails ({reason})") from None
@@ -291,11 +281,9 @@ def config_fault(config) -> str | None:
             return f"num_experts_per_tok is {per_token}, more than its {name} ({count})"
         if count is not None and isinstance(per_token, int) and per_token < 1:
             return f"num_experts_per_tok is {per_token}: no expert for a token"
-    sliding = sorted(
-        {kind for kind in getattr(config, "layer_types", None) or [] if "sliding" in kind}
-    )
+    sliding = [kind for kind in getattr(config, "layer_types", None) or [] if "sliding" in kind]
     if sliding and getattr(config, "sliding_window", 0) is None:
-        return f"sliding_window is null, yet layer_types has {sliding[0]} layers"
+        return f"sliding_window is null, yet layer_types has {min(sliding)} layers"
     return None
 
 
@@ -311,8 +299,7 @@ def quiet():
     level = logging.get_verbosity()
     logging.set_verbosity(logging.CRITICAL + 1)
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
+        with warnings.catch_warnings(action="ignore"):
             yield
     finally:
         logging.set_verbosity(level)
@@ -338,58 +325,33 @@ def preflight(target, draft, input_ids, eos_token_id=None, tokenizers=None):
                 f"the {role} must be a causal LM (transformers', offload's or models.load's), "
                 f"got {type(model).__name__}"
             )
-    if tokenizers is not None:
-        check_same_tokenizer(*tokenizers)
-        for model in models.values():
-            check_vocab(tokenizers[0], model)
-    if draft is not None:
-        check_draft_vocab(target.config, draft.config)
+    if tokenizers is not None:  # ids must name the same strings in both, or drafting means nothing
+        t_vocab, d_vocab = tokenizers[0].get_vocab(), tokenizers[1].get_vocab()
+        if t_vocab != d_vocab:
+            differ = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=lambda kv: kv[1])
+            raise SpecExecError(
+                f"target and draft tokenizers differ ({len(t_vocab)} vs {len(d_vocab)} tokens; "
+                f"first difference: {differ[0][0]!r} id {differ[0][1]}); they must share one"
+            )
+        for model in models.values():  # and each id a row in each model's embedding
+            if len(tokenizers[0]) > model.config.vocab_size:
+                raise SpecExecError(
+                    f"{getattr(model, 'folder', 'a model')}: the tokenizer gives ids up to "
+                    f"{len(tokenizers[0]) - 1}, but the model's vocabulary holds "
+                    f"{model.config.vocab_size}"
+                )
+    # Every token the draft proposes must be one the target has: its vocabulary is no larger
+    if draft is not None and draft.config.vocab_size > target.config.vocab_size:
+        raise SpecExecError(
+            f"the draft's vocabulary ({draft.config.vocab_size}) is larger than the target's "
+            f"({target.config.vocab_size}); they must share a tokenizer"
+        )
     limit = min(context_length(model.config) for model in models.values())
     seq = None if input_ids is None else prompt_tokens(input_ids, limit, **models)
-    tokenizer = tokenizers[0] if tokenizers else None
-    return seq, limit, stop_tokens(eos_token_id, target, tokenizer)
+    return seq, limit, stop_tokens(eos_token_id, target, tokenizers[0] if tokenizers else None)
 
 
-def context_length(config):
-    """Positions the model can use."""
-    return config.max_position_embeddings
-
-
-def check_draft_vocab(target_config, draft_config):
-    """Every token the draft proposes must be one the target has: its vocabulary is no larger.
-    (That ids also mean the same tokens: `check_same_tokenizer`, given the tokenizers.)"""
-    if draft_config.vocab_size > target_config.vocab_size:
-        raise SpecExecError(
-            f"the draft's vocabulary ({draft_config.vocab_size}) is larger than the target's "
-            f"({target_config.vocab_size}); they must share a tokenizer"
-        )
-
-
-def check_same_tokenizer(target_tokenizer, draft_tokenizer):
-    """Token ids must name the same strings in both models, or drafting means nothing."""
-    t_vocab, d_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
-    if t_vocab != d_vocab:
-        differ = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=lambda kv: kv[1])
-        raise SpecExecError(
-            f"target and draft tokenizers differ ({len(t_vocab)} vs {len(d_vocab)} tokens; "
-            f"first difference: {differ[0][0]!r} id {differ[0][1]}); they must share one"
-        )
-
-
-def check_vocab(tokenizer, model):
-    """Every id the tokenizer gives must have a row in the model's embedding."""
-    if len(tokenizer) > model.config.vocab_size:
-        raise SpecExecError(
-            f"{getattr(model, 'folder', 'a model')}: the tokenizer gives ids up to "
-            f"{len(tokenizer) - 1}, but the model's vocabulary holds {model.config.vocab_size}"
-        )
-
-
-def check_prompt(seq, limit):
-    if not seq:
-        raise SpecExecError("the prompt is empty")
-    if len(seq) >= limit:
-        raise SpecExecError(f"the prompt has {len(seq)} tokens; the context holds {limit}")
+context_length = lambda config: config.max_position_embeddings  # positions the model can use
 
 
 def prompt_tokens(input_ids, limit, **models):
@@ -409,11 +371,13 @@ def prompt_tokens(input_ids, limit, **models):
         seq = ids.reshape(-1).tolist()
     except (NotImplementedError, RuntimeError) as error:
         raise SpecExecError(f"input_ids holds no values to read ({one_line(error)})") from None
-    check_prompt(seq, limit)
+    if not seq:
+        raise SpecExecError("the prompt is empty")
+    if len(seq) >= limit:
+        raise SpecExecError(f"the prompt has {len(seq)} tokens; the context holds {limit}")
     for role, model in models.items():
         vocab = model.config.vocab_size
-        outside = [token for token in seq if not 0 <= token < vocab]
-        if outside:
+        if outside := [token for token in seq if not 0 <= token < vocab]:
             raise SpecExecError(
                 f"token id {outside[0]} is outside the {role}'s vocabulary ({vocab} tokens)"
             )
@@ -449,8 +413,7 @@ def load(opened, device, dtype=None) -> torch.nn.Module:
     """The model in memory, on `device`, in `dtype` (None: the checkpoint's own), from a folder
     `open_model` checked (or a folder or hub id, opened here); offload.from_pretrained streams
     the same Opened instead."""
-    opened = open_model(opened)
-    dtype = as_dtype(dtype)
+    opened, dtype = open_model(opened), as_dtype(dtype)
     model = opened.skeleton(dtype)
     load_weights(opened, model, device, dtype or opened.checkpoint.dtype)
     return model
@@ -460,7 +423,6 @@ def load_weights(opened: Opened, model, device, dtype, layers=True) -> None:
     """Give `model` (a skeleton of `opened`) the checkpoint's tensors on `device` in `dtype`:
     all of them, or with layers=False all but the decoder layers' (offload.py streams those).
     The model keeps the folder's generation config."""
-    ckpt = opened.checkpoint
     tied = ties_head(model)
     # Buffers (rotary frequencies, Gemma's embedding scale) are computed, not stored: give them
     # memory on the device and let the model's own initializer compute them, while the
@@ -471,7 +433,7 @@ def load_weights(opened: Opened, model, device, dtype, layers=True) -> None:
     for owner in {name.rpartition(".")[0] for name, _ in model.named_buffers()}:
         model._init_weights(model.get_submodule(owner))
     tensors = {
-        name: ckpt.tensor(name, param.shape).to(device=device, dtype=dtype)
+        name: opened.checkpoint.tensor(name).to(device=device, dtype=dtype)
         for name, param in model.named_parameters()  # a tied head is listed once, as EMBEDDING
         if layers or not name.startswith("model.layers.")
     }
@@ -487,8 +449,7 @@ def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     """A torch dtype from itself or its name ("float16", "torch.bfloat16")."""
     if not isinstance(dtype, str):
         return dtype
-    found = getattr(torch, dtype.removeprefix("torch."), None)
-    if not isinstance(found, torch.dtype):
+    if not isinstance(found := getattr(torch, dtype.removeprefix("torch."), None), torch.dtype):
         raise OffloadError(f"dtype {dtype!r} is no torch dtype; try 'float16' or 'bfloat16'")
     return found
 

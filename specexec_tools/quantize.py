@@ -63,18 +63,13 @@ def quantize(weight: torch.Tensor, kind: str, dtype: torch.dtype):
     levels = (w / scale.to(work)).round().clamp(-QMAX[kind], QMAX[kind]).flatten(1)  # (out, in)
     if kind == "int8":
         return levels.to(torch.int8), scale.flatten()
-    return pack_nibbles((levels + 8).to(torch.uint8)), scale.squeeze(-1)
+    nibbles = (levels + 8).to(torch.uint8)  # (out, in), 0..15: input 2j low, 2j + 1 high
+    return nibbles[:, 0::2] | nibbles[:, 1::2] << 4, scale.squeeze(-1)  # (out, in // 2)
 
 
-def pack_nibbles(nibbles: torch.Tensor) -> torch.Tensor:
-    """(out, in) uint8 values 0..15 -> (out, in // 2): input 2j low nibble, 2j + 1 high."""
-    return nibbles[:, 0::2] | nibbles[:, 1::2] << 4
-
-
-def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
-    """(out, in // 2) -> (out, in) uint8 values 0..15, in input order (dequantize writes them
-    straight into its output instead)."""
-    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(1)  # (out, in)
+# (out, in // 2) -> (out, in) uint8 values 0..15, in input order (dequantize writes them straight
+# into its output instead)
+unpack_nibbles = lambda packed: torch.stack((packed & 15, packed >> 4), dim=-1).flatten(1)
 
 
 # ---- dequantize: levels and scales back to compute-dtype weights ----
@@ -97,8 +92,7 @@ def dequantize(levels: torch.Tensor, scale: torch.Tensor, kind: str, out=None) -
         out.view(rows, cols).copy_(levels)  # integers to floats: exact; out may be stacked
     else:  # low nibbles straight into the even inputs, high into the odd: nothing unpacked
         pairs = out.view(rows, cols // 2, 2)  # (out, in // 2, 2)
-        pairs[..., 0] = levels & 15  # (out, in // 2) bytes, then floats
-        pairs[..., 1] = levels >> 4
+        pairs[..., 0], pairs[..., 1] = levels & 15, levels >> 4  # (out, in // 2) bytes, then floats
         grouped.sub_(8)  # the nibbles hold q + 8
     grouped.mul_(scale.view(rows, -1, 1))  # the one rounding
     return out
