@@ -43,7 +43,6 @@ import math
 import sys
 import time
 from collections import Counter
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from specexec_tools import SpecExecError, check_options
@@ -88,7 +87,7 @@ import torch  # noqa: E402  (after the options: --help and a bad flag need no to
 from torch.nn.attention import sdpa_kernel  # noqa: E402
 
 from specexec_tools.cost_model import FixedBudget, draft_threads, make_policy  # noqa: E402
-from specexec_tools.models import ATTENTION_KERNELS, CACHE, attention_windows, preflight  # noqa
+from specexec_tools.models import ATTENTION_KERNELS, CACHE, attention_windows, preflight, timed  # noqa
 
 # ---- draft tree (priority queue) ----
 
@@ -453,8 +452,7 @@ def speculative_step(run, seq, budget, max_depth):
     # `seq` and the path; the bonus, the next root, is in neither. Path nodes the draft never fed
     # (leaves, lookup's) join its next trunk.
     keep_path(run.target_cache, nodes, path)
-    n_seen = len(seq) + len(path)
-    assert run.target_cache.get_seq_length() == n_seen  # the invariant: the new seq but its last
+    assert run.target_cache.get_seq_length() == len(seq) + len(path)  # the new seq but its last
     if run.draft is not None and budget:  # the draft's: `seq`, then the path's fed nodes (a prefix)
         keep_path(run.draft_cache, tree.fed, path)
         fed = len(seq) + len(set(path) & set(tree.fed))
@@ -587,7 +585,7 @@ class Stats:
     histogram = property(lambda self: dict(sorted(Counter(self.emitted).items())))  # k: steps
 
 
-# ---- plumbing: options taken, the clock and the draft's threads ----
+# ---- options taken ----
 
 
 def as_options(opts, options, on_tokens):
@@ -599,26 +597,6 @@ def as_options(opts, options, on_tokens):
     if on_tokens is not None and not callable(on_tokens):
         raise SpecExecError(f"on_tokens must be a function of a list of tokens, got {on_tokens!r}")
     return check_options(opts if opts is not None else Options(**options))
-
-
-@contextmanager
-def timed(device, threads=None):
-    """Time a block (on a GPU, until its work is done), on `threads` CPU threads (0: as set): a
-    small draft's pass is a few small matmuls, and on a busy CPU more threads wait for each other
-    (docs/results.md). Yields a function that gives the seconds once it ends."""
-    device, before = torch.device(device), torch.get_num_threads()
-    sync = torch.cuda.current_stream(device).synchronize if device.type == "cuda" else lambda: 0
-    if threads and device.type == "cpu":
-        torch.set_num_threads(threads)
-    seconds = []
-    try:
-        sync()
-        start = time.perf_counter()
-        yield lambda: seconds[0]
-        sync()
-        seconds.append(time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(before)
 
 
 if __name__ == "__main__":  # `python specexec.py`, its flags read above

@@ -30,10 +30,11 @@ class FixedBudget:
     max_depth: int
     why: str = ""  # for the summary: why a run with a draft decodes plainly
 
-    # left: tokens still to come (auto's looks heed them)
-    choose = lambda self, left=None: (self.budget, self.max_depth)
+    def choose(self, left=None):  # left: tokens still to come (auto's looks heed them)
+        return self.budget, self.max_depth
 
-    update = lambda self, step: None  # nothing to learn
+    def update(self, step):
+        pass
 
 
 def make_policy(opts, target, draft):
@@ -219,8 +220,9 @@ class CostModel:
 
     # ---- the gain ----
 
-    # Quarter-nat bins of an edge's draft log-probability (at the tree's temperature)
-    bin = lambda self, logprob: min(len(self.seen) - 1, int(-4 * logprob))
+    def bin(self, logprob):
+        """Quarter-nat bins of an edge's draft log-probability (at the tree's temperature)."""
+        return min(len(self.seen) - 1, int(-4 * logprob))
 
     def follow_rate(self, logprob):
         """How often the target, at a node it reached, picked a child of this bin; with `PRIOR`
@@ -322,8 +324,9 @@ class CostModel:
                 rates[(b, depth)] = scale * gain / self.seconds((b, depth), passes)
         return rates
 
-    # The most a step of `look` can lose against a plain step: it gives the bonus at least
-    look_cost = lambda self, look: self.seconds(look, self.gains[look][1]) - self.seconds((0, 0), 0)
+    def look_cost(self, look):
+        """The most a step of `look` can lose against a plain step: it gives the bonus at least."""
+        return self.seconds(look, self.gains[look][1]) - self.seconds((0, 0), 0)
 
     def choose(self, left=math.inf):
         """This step's (budget, depth), `left` tokens still to come; a tree's predicted (tokens,

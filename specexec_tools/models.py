@@ -19,6 +19,7 @@ Every refusal is one line naming the input: `SpecExecError` for what a user asks
 import copy
 import numbers
 import os
+import time
 import weakref
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass
@@ -164,7 +165,7 @@ def skeleton(config, folder: Path, dtype=None) -> torch.nn.Module:
     return model
 
 
-# ---- how far back each layer looks: heard from the layers themselves ----
+# ---- how a pass runs: its attention kernels, its clock and threads ----
 
 # The attention kernels a pass may use (specexec.decode_loop): all of torch's but cuDNN's, which
 # plans a graph for each new shape of query, keys and mask, and here every pass's shape is new
@@ -172,6 +173,30 @@ def skeleton(config, folder: Path, dtype=None) -> torch.nn.Module:
 # shape planned. On a CPU the list changes nothing.
 ATTENTION_KERNELS = [k for name, k in SDPBackend.__members__.items() if "CUDNN" not in name]
 ATTENTION_KERNELS.remove(SDPBackend.ERROR)
+
+
+@contextmanager
+def timed(device, threads=None):
+    """Time a block of passes (on a GPU, until its work is done), on `threads` CPU threads (0: as
+    set; specexec's step gives the draft's, cost_model.draft_threads): a small draft's pass is a
+    few small matmuls, and on a busy CPU more threads wait for each other (docs/results.md).
+    Yields a function that gives the seconds once it ends."""
+    device, before = torch.device(device), torch.get_num_threads()
+    sync = torch.cuda.current_stream(device).synchronize if device.type == "cuda" else lambda: 0
+    if threads and device.type == "cpu":
+        torch.set_num_threads(threads)
+    seconds = []
+    try:
+        sync()
+        start = time.perf_counter()
+        yield lambda: seconds[0]
+        sync()
+        seconds.append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(before)
+
+
+# ---- how far back each layer looks: heard from the layers themselves ----
 
 _windows = {}  # id(config) -> (a weak reference to the config, attention_windows of it)
 
