@@ -58,7 +58,8 @@ def make_policy(opts, target, draft):
     # as big as a pass carries for about the cost of one token's; where they stay put, a small
     # one, since there a tree's pass costs compute, and the draft must read the prompt too
     first = dict(budget=32, first_depth=4) if streamed else dict(budget=8, first_depth=2)
-    return CostModel(max_depth=opts.max_depth, **first)
+    share = 0.0 if streamed or draft is None else weights(draft) / weights(target)
+    return CostModel(max_depth=opts.max_depth, draft_share=share, **first)
 
 
 def streams(model):
@@ -153,6 +154,8 @@ class CostModel:
     max_depth: int
     budget: int = 32  # the first step's, before anything is measured (specexec.make_policy's)
     first_depth: int = 4  # the first tree's: few passes of a draft not yet timed; deeper as it pays
+    draft_share: float = 0.0  # a draft pass's cost in target passes, before any is timed (weights)
+    why: str = ""  # for the summary: why it decoded plainly from the start
     depth: int | None = None
     target_s: dict = field(default_factory=dict)  # tokens fed -> seconds of a target pass
     draft_s: float | None = None  # seconds of one draft pass (the first tree's: the prompt too)
@@ -340,7 +343,15 @@ class CostModel:
     def decide(self, left):
         """The (budget, depth) with the most tokens/s, a look at the draft, or a deeper search."""
         if not self.gains or self.draft_s is None:  # nothing measured yet
-            return self.budget, min(self.first_depth, self.max_depth)
+            # The first tree is a look at the draft too, its passes priced by the weights they
+            # read: not taken where they would cost more than 1 / LOOK_EVERY of the plain steps
+            # still to come (a dear draft over a short run: it could not pay back its first tree)
+            depth = min(self.first_depth, self.max_depth)
+            if self.LOOK_EVERY * depth * self.draft_share > left:
+                self.why = f"auto decoded plainly: its draft's passes (each {self.draft_share:.0%} "
+                self.why += f"of a target pass) could not pay for a first tree in {left} tokens"
+                return 0, 0
+            return self.budget, depth
         if len(self.target_s) == 1 and self.STREAMED * self.draft_s > self.t_target(0):
             return 0, 0  # a second size: one token's pass, as plain decoding would run it
         rates = self.rates()
