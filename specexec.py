@@ -60,7 +60,7 @@ class Options:
     max_depth: int = 16  # draft passes per step (auto: at most this)
     width: int = 32  # nodes expanded per draft pass
     branch: int = 8  # children kept per expanded node
-    lookup: int = 0  # prompt lookup: the longest continuation copied into the tree (0: none)
+    lookup: int = 8  # prompt lookup: the longest continuation copied into the tree (0: none)
     temperature: float = 0.0  # 0: greedy (exact argmax)
     top_p: float = 1.0  # nucleus sampling mass (1: off)
     top_k: int = 0  # sample from the k most likely (0: off)

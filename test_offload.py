@@ -1180,7 +1180,7 @@ def test_auto_decodes_plainly_beside_a_copy_of_a_target_held_whole(float64_targe
     save_model(tmp_path / "small", config, dtype=torch.float64)
     small = offload.from_pretrained(tmp_path / "small", quantize="int8", device_memory=math.inf)
     with small:
-        _, stats = specexec.generate(target, small, [5, 6, 7], max_new_tokens=4, eos_token_id=[])
+        _, stats = specexec.generate(target, small, [5, 6, 7], max_new_tokens=32, eos_token_id=[])
     assert stats.budgets[0][0] > 0
     options = dict(max_new_tokens=12, eos_token_id=[])
     expected, _ = specexec.autoregressive(target, [5, 6, 7], **options)

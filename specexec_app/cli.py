@@ -35,7 +35,7 @@ HELP = dict(
     branch="children kept per expanded node",
     lookup="prompt lookup: copy up to N tokens that followed the last tokens where they occurred "
     "before in the text into the tree as candidates of their own, at no draft pass (0 = off); "
-    "with --draft none, SpecExec without a draft model",
+    "with --draft none, SpecExec without a draft model (--lookup 0 too: plain decoding)",
     temperature="0 = greedy (exact argmax)",
     top_p="nucleus sampling mass (1 = off)",
     top_k="sample from the k most likely (0 = off)",

@@ -347,11 +347,10 @@ class CostModel:
             # read: not taken where they would cost more than 1 / LOOK_EVERY of the plain steps
             # still to come (a dear draft over a short run: it could not pay back its first tree)
             depth = min(self.first_depth, self.max_depth)
-            if self.LOOK_EVERY * depth * self.draft_share > left:
-                self.why = f"auto decoded plainly: its draft's passes (each {self.draft_share:.0%} "
-                self.why += f"of a target pass) could not pay for a first tree in {left} tokens"
-                return 0, 0
-            return self.budget, depth
+            dear = self.LOOK_EVERY * depth * self.draft_share > left
+            share = f"auto decoded plainly: a draft pass costs {self.draft_share:.0%} of a target's"
+            self.why = share + ", too dear for so short a run" if dear else ""  # a longer one looks
+            return (0, 0) if dear else (self.budget, depth)
         if len(self.target_s) == 1 and self.STREAMED * self.draft_s > self.t_target(0):
             return 0, 0  # a second size: one token's pass, as plain decoding would run it
         rates = self.rates()
