@@ -65,7 +65,8 @@ def rows_at(cfg, setting, target, hf_target, drafts, prompt_ids, eos, sampled):
 
     def speculative(draft, budget, **shape):
         def run(i, ids):
-            options = dict(budget=budget, max_depth=cfg.max_depth, seed=cfg.seed + i) | shape
+            options = dict(budget=budget, max_depth=cfg.max_depth, seed=cfg.seed + i, lookup=0)
+            options |= shape  # "SpecExec" rows: the draft alone; --lookup adds lookup's rows
             draft_or_none = None if options.pop("alone", False) else draft
             return specexec.generate(target, draft_or_none, ids, **ours, **options)
 
