@@ -541,6 +541,17 @@ def autoregressive(model, input_ids, *, eos_token_id=None, on_tokens=None, opts=
     return decode_loop(Run(model, None, opts, limit), seq, FixedBudget(0, 0), eos, on_tokens)
 
 
+def as_options(opts, options, on_tokens):
+    """`opts` or an Options of the keyword arguments (not both), checked; on_tokens callable."""
+    if opts is not None and options:
+        raise SpecExecError(f"pass opts= or options ({', '.join(options)}), not both")
+    if opts is not None and not isinstance(opts, Options):
+        raise SpecExecError(f"opts must be a specexec.Options, got {type(opts).__name__}")
+    if on_tokens is not None and not callable(on_tokens):
+        raise SpecExecError(f"on_tokens must be a function of a list of tokens, got {on_tokens!r}")
+    return check_options(opts if opts is not None else Options(**options))
+
+
 # ---- what a run did ----
 
 
@@ -583,20 +594,6 @@ class Stats:
     tokens_per_second = property(lambda self: self.new_tokens / max(1e-9, self.time_total))
     time_other = property(lambda self: self.time_total - self.time_draft - self.time_target)
     histogram = property(lambda self: dict(sorted(Counter(self.emitted).items())))  # k: steps
-
-
-# ---- options taken ----
-
-
-def as_options(opts, options, on_tokens):
-    """`opts` or an Options of the keyword arguments (not both), checked; on_tokens callable."""
-    if opts is not None and options:
-        raise SpecExecError(f"pass opts= or options ({', '.join(options)}), not both")
-    if opts is not None and not isinstance(opts, Options):
-        raise SpecExecError(f"opts must be a specexec.Options, got {type(opts).__name__}")
-    if on_tokens is not None and not callable(on_tokens):
-        raise SpecExecError(f"on_tokens must be a function of a list of tokens, got {on_tokens!r}")
-    return check_options(opts if opts is not None else Options(**options))
 
 
 if __name__ == "__main__":  # `python specexec.py`, its flags read above

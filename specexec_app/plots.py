@@ -228,6 +228,7 @@ def plot_cost_model(passes, cost, measured, predicted, choice, title):
     usual = f"budget {budget}, depth {depth}" if budget else "plain"
     label = f"auto's usual choice: {usual} ({steps} of {auto.steps} steps)"
     right.plot(x(budget), auto.tokens_per_second, "*", color="tab:red", ms=16, label=label)
+    right.set_ylim(0, max(right.get_ylim()[1], 1.1 * auto.tokens_per_second))  # auto's in view
     middle.legend(loc="lower right")
     right.legend(loc="lower left")
     return fig
