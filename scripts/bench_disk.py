@@ -96,8 +96,12 @@ def grow_target(source, dest, n_layers, intermediate, seed=0):
     generator = torch.Generator().manual_seed(seed)
     hidden = config.hidden_size
 
-    def random(*shape):
-        return torch.randn(*shape, generator=generator) * 0.02
+    drawn = {}
+
+    def random(*shape):  # drawn once per shape, then copied: a 30 GB target grows in a minute
+        if shape not in drawn:
+            drawn[shape] = torch.randn(*shape, generator=generator) * 0.02
+        return drawn[shape].clone()
 
     def grown(i):  # layer i: the trained one, or a new one shaped as layer 0
         prefix = f"model.layers.{i if i < old_layers else 0}."
@@ -226,8 +230,9 @@ def run(cfg, folder):
           f" s after: {nbytes / 1e9 / read_s:.2f} GB/s on average; load average at the end: "
           f"{os.getloadavg()[0]:.1f}")  # fmt: skip
     on = f"{os.cpu_count()}-core CPU" if device.type == "cpu" else torch.cuda.get_device_name()
-    title = (f"A {nbytes / 1e9:.1f} GB target streamed from {cfg.offload} each pass, greedy, "
-             f"against accelerate's offload\n({folder.name}, float32; draft {Path(what).name}; "
+    versus = ", against accelerate's offload" if peer else ""
+    title = (f"A {nbytes / 1e9:.1f} GB target streamed from {cfg.offload} each pass, greedy"
+             f"{versus}\n({folder.name}, float32; draft {Path(what).name}; "
              f"{on}, {started[:10]}); lines: the rows without a fixed budget")  # fmt: skip
     common.plot_budgets(rows, cfg.plot, title)
 
