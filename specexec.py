@@ -45,7 +45,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from specexec_tools import SpecExecError, check_options
+from specexec_tools import SpecExecError, check_call, check_finite, check_options
 
 # ---- options ----
 
@@ -66,15 +66,10 @@ class Options:
     top_k: int = 0  # sample from the k most likely (0: off)
     seed: int | None = None  # sampling's random seed (None: a fresh one)
     draft_threads: int | None = None  # CPU threads of draft passes (None: by its size; 0: torch's)
-    draft_temperature: float | None = None  # how the draft ranks the tree (None: see below)
+    draft_temperature: float | None = None  # how the draft ranks the tree (None: grow_tree's)
 
     def __post_init__(self):
         check_options(self)
-
-    def tree_temperature(self):
-        """How the draft ranks the tree: as the target samples, or greedy, sharpened (0.3): the
-        target follows the draft's top choice more often than its probability says."""
-        return self.draft_temperature or self.temperature or 0.3
 
 
 if __name__ == "__main__":  # `python specexec.py`: its flags are read and checked before torch
@@ -207,7 +202,10 @@ def grow_tree(run, seq, budget, max_depth, width, branch):
     if max(trunk) >= draft.config.vocab_size:  # the prompt was checked, the target's picks not
         raise SpecExecError(f"the target chose token id {max(trunk)}, which the draft lacks")
     logits = tree_forward(draft, cache, windows, trunk, chain(len(trunk)), n_logits=1)
-    temperature, tree.draft_passes = run.opts.tree_temperature(), 1
+    # The draft ranks the tree as the target samples, or sharpened where it is greedy: the
+    # target follows the draft's top choice more often than its probability says.
+    temperature = run.opts.draft_temperature or run.opts.temperature or 0.3
+    tree.draft_passes = 1
     tree.add_children([0], torch.log_softmax(logits.float() / temperature, -1), branch)
 
     # Tree nodes at depth d sit at position len(seq) - 1 + d, which must fit the context.
@@ -379,16 +377,6 @@ def sampling_probs(logits, temperature, top_k, top_p):
     return probs / probs.sum()
 
 
-def check_finite(logits, role):
-    """NaN or inf logits (broken weights or config) would pick garbage and run on: one float32
-    sum finds them (20x cheaper than isfinite().all()), and half precision cannot overflow it."""
-    if not math.isfinite(logits.sum(dtype=torch.float32)):
-        raise SpecExecError(
-            f"the {role} model computes logits that are not finite (NaN or inf): "
-            "its weights or its config.json (e.g. rms_norm_eps) are broken"
-        )
-
-
 def keep_path(cache, nodes, path):
     """Drop the tree from the cache but for `path` (the cache ends with an entry per node of
     `nodes`). `DynamicCache.crop` only drops a suffix, so the path's entries move up first; the
@@ -527,7 +515,7 @@ def generate(target, draft, input_ids, *, eos_token_id=None, on_tokens=None, opt
     alone). opts: an `Options`, or its fields as keywords. eos_token_id: an int or a list (the
     target's generation config's by default; [] = none). on_tokens(list) gets each step's tokens.
     """
-    opts = as_options(opts, options, on_tokens)
+    opts = check_call(opts, options, on_tokens, Options)
     seq, limit, eos = preflight(target, draft, input_ids, eos_token_id)
     run = Run(target, draft, opts, limit)
     return decode_loop(run, seq, make_policy(opts, target, draft), eos, on_tokens)
@@ -536,20 +524,9 @@ def generate(target, draft, input_ids, *, eos_token_id=None, on_tokens=None, opt
 def autoregressive(model, input_ids, *, eos_token_id=None, on_tokens=None, opts=None, **options):
     """Plain decoding, one target pass per token, with the same sampling, stopping and Stats:
     the reference SpecExec is held against (greedy, or with the same seed, the same tokens)."""
-    opts = as_options(opts, options, on_tokens)
+    opts = check_call(opts, options, on_tokens, Options)
     seq, limit, eos = preflight(model, None, input_ids, eos_token_id)
     return decode_loop(Run(model, None, opts, limit), seq, FixedBudget(0, 0), eos, on_tokens)
-
-
-def as_options(opts, options, on_tokens):
-    """`opts` or an Options of the keyword arguments (not both), checked; on_tokens callable."""
-    if opts is not None and options:
-        raise SpecExecError(f"pass opts= or options ({', '.join(options)}), not both")
-    if opts is not None and not isinstance(opts, Options):
-        raise SpecExecError(f"opts must be a specexec.Options, got {type(opts).__name__}")
-    if on_tokens is not None and not callable(on_tokens):
-        raise SpecExecError(f"on_tokens must be a function of a list of tokens, got {on_tokens!r}")
-    return check_options(opts if opts is not None else Options(**options))
 
 
 # ---- what a run did ----
@@ -592,7 +569,6 @@ class Stats:
 
     tokens_per_step = property(lambda self: self.new_tokens / max(1, self.steps))
     tokens_per_second = property(lambda self: self.new_tokens / max(1e-9, self.time_total))
-    time_other = property(lambda self: self.time_total - self.time_draft - self.time_target)
     histogram = property(lambda self: dict(sorted(Counter(self.emitted).items())))  # k: steps
 
 

@@ -196,7 +196,9 @@ def test_tree_is_the_best_budget_of_the_whole_search_space(budget):
         grown = []
         for path, logp in frontier:
             logits = fresh_logits(draft, prompt + list(path)).float()  # (vocab,)
-            top = torch.log_softmax(logits / opts.tree_temperature(), -1).topk(opts.branch)
+            top = torch.log_softmax(
+                logits / (opts.draft_temperature or opts.temperature or 0.3), -1
+            ).topk(opts.branch)
             grown += [
                 (path + (t,), logp + v) for v, t in zip(top.values.tolist(), top.indices.tolist())
             ]

@@ -11,7 +11,7 @@ import re
 import sys
 
 import specexec
-from specexec_tools import SpecExecError, one_line
+from specexec_tools import SpecExecError, check_call, one_line
 from specexec_tools.cost_model import make_policy
 from specexec_tools.models import preflight
 
@@ -27,7 +27,7 @@ class Chat:
     a fresh run. With draft None it decodes plainly, as `autoregressive` does."""
 
     def __init__(self, target, draft, opts=None, **options):
-        self.opts = specexec.as_options(opts, options, None)
+        self.opts = check_call(opts, options, None, specexec.Options)
         preflight(target, draft, None)  # models, and a pair that can run together
         self.target, self.draft = target, draft
         self.policy = make_policy(self.opts, target, draft)
@@ -37,7 +37,7 @@ class Chat:
     def generate(self, input_ids, *, eos_token_id=None, on_tokens=None):
         """One turn: `input_ids` is the whole conversation so far. Returns (new_tokens, Stats);
         `stats.reused` counts the prompt tokens the target's cache already held."""
-        opts = specexec.as_options(self.opts, {}, on_tokens)
+        opts = check_call(self.opts, {}, on_tokens, specexec.Options)
         seq, limit, eos = preflight(self.target, self.draft, input_ids, eos_token_id)
         # Keep the longest prefix of what the caches hold (self.seq but its last token) that the
         # new prompt shares, leaving the prompt's last token out: the first tree's root.

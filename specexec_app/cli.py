@@ -405,7 +405,7 @@ def summary(stats):
         f"{count(stats.new_tokens, 'token')} in {count(stats.steps, 'target pass')} "
         f"({stats.tokens_per_step:.2f} per pass), {stats.tokens_per_second:.3g} tokens/s; "
         f"draft {stats.time_draft:.2f}s, target {stats.time_target:.2f}s, "
-        f"other {stats.time_other:.2f}s"
+        f"other {stats.time_total - stats.time_draft - stats.time_target:.2f}s"
     )
     trees = [budget for budget, _ in stats.budgets if budget]
     if trees:  # SpecExec, not the baseline

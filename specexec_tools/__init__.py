@@ -8,7 +8,7 @@ quantize.py     int8 / int4 weights for the offloaded target and the self-draft
 cost_model.py   the budget policies: a fixed budget, and budget "auto" (the cost model)
 
 Every refusal is one line naming the input; the command line prints it as `error: ...`, exit 2.
-This file holds the errors and the options' check, and imports neither torch nor transformers:
+This file holds the errors and the options' checks, and imports neither torch nor transformers:
 the command line checks its flags before torch loads.
 """
 
@@ -64,3 +64,27 @@ def check_options(opts):
         if not ok(value := getattr(opts, name)):
             raise SpecExecError(f"{name} must be {bounds}, got {value}")
     return opts
+
+
+def check_call(opts, options, on_tokens, Options):
+    """generate's and autoregressive's `opts` or keyword `options` (not both) as an `Options`,
+    checked; `on_tokens` a function."""
+    if opts is not None and options:
+        raise SpecExecError(f"pass opts= or options ({', '.join(options)}), not both")
+    if opts is not None and not isinstance(opts, Options):
+        raise SpecExecError(f"opts must be a specexec.Options, got {type(opts).__name__}")
+    if on_tokens is not None and not callable(on_tokens):
+        raise SpecExecError(f"on_tokens must be a function of a list of tokens, got {on_tokens!r}")
+    return check_options(opts if opts is not None else Options(**options))
+
+
+def check_finite(logits, role):
+    """NaN or inf logits (broken weights or config) would pick garbage and run on: one float32
+    sum finds them (20x cheaper than isfinite().all()), and half precision cannot overflow it."""
+    import torch  # here, not above: the flags are checked before torch loads
+
+    if not math.isfinite(logits.sum(dtype=torch.float32)):
+        raise SpecExecError(
+            f"the {role} model computes logits that are not finite (NaN or inf): "
+            "its weights or its config.json (e.g. rms_norm_eps) are broken"
+        )
