@@ -459,7 +459,7 @@ def write_copy(ckpt, shapes, dtype, kind, folder: Path, manifest: dict, files: l
     if ours := main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, terminate)
     try:
-        folder.mkdir(exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
         (folder / "manifest.json").unlink(missing_ok=True)  # unfinished until written again
         for i in tqdm(range(len(files)), desc=f"offload: converting layers into {folder}"):
             data = save(quantize.quantize_layer(ckpt.layer(i, shapes), dtype, kind))
