@@ -59,13 +59,9 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse prints usage and two lines; keep the one-line promise
         fail(f"{message} (see --help)")
 
-    def print_help(self, file=None):  # argparse would drop a failed write (a full disk) silently
-        print(self.format_help(), end="", file=file or sys.stdout)
-
-    def exit(self, status=0, message=None):  # after --help: a full stdout fails here, not at exit
-        if sys.stdout is not None:
-            sys.stdout.flush()
-        super().exit(status, message)
+    def print_help(self, file=None):  # argparse would drop a failed write (a full disk) silently;
+        # flushed, a full stdout fails here, inside `handled`, not at exit
+        print(self.format_help(), end="", file=file or sys.stdout, flush=True)
 
 
 def finite(text):

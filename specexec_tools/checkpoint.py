@@ -298,7 +298,7 @@ def ssd_layers(
     ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, kind, offload_dir
 ) -> tuple[list[dict[str, Entry]], Path | None]:
     """Where the ssd tier reads each decoder layer's tensors (name -> Entry, a dict per layer):
-    the checkpoint's own safetensors where they will do (`reads_in_place`); else a copy with one
+    the checkpoint's own safetensors where they will do (`copy_folder` None); else a copy with one
     safetensors file per layer, in `dtype` or quantized (kind "int8" or "int4", as
     quantize.quantize_layer stores it), whose folder is returned too: written once, later runs
     check the folder and reuse it.
@@ -308,60 +308,36 @@ def ssd_layers(
     zeroed, files swapped) is written again. One run at a time writes into or checks a copy in
     offload_dir (a lock on it): a second run waits, then reuses what the first wrote.
     """
-    if reads_in_place(ckpt, dtype, kind):
+    folder = copy_folder(ckpt, dtype, kind, offload_dir)  # "~/copies": in the home folder
+    if folder is None:
         names = [[f"model.layers.{i}.{n}" for n in shapes] for i in range(n_layers)]
         return [dict(zip(shapes, map(ckpt.entries.get, layer))) for layer in names], None
-    if offload_dir is None:
-        raise OffloadError(f"{ckpt.folder} needs a one-time conversion for ssd; pass offload_dir")
-    folder = copy_folder(ckpt, dtype, kind, offload_dir)  # "~/copies": in the home folder
-    offload_dir, dtype_name = folder.parent, str(dtype).removeprefix("torch.")
-    manifest = {"source": str(ckpt.folder.resolve()), "dtype": dtype_name, "layers": n_layers}
-    manifest["quantize"] = kind
+    manifest = {"source": str(ckpt.folder.resolve()), "layers": n_layers, "quantize": kind}
+    manifest["dtype"] = str(dtype).removeprefix("torch.")
     files = [folder / f"layer_{i:03d}.safetensors" for i in range(n_layers)]
     try:
-        offload_dir.mkdir(parents=True, exist_ok=True)
-        with locked(offload_dir):
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with locked(folder.parent):
             damage = copy_damage(folder, manifest, files)
-            if damage is None:  # converted by an earlier run
-                return [read_header(path) for path in files], folder
-            stored = quantize.stored_layer(shapes, dtype, kind)  # meta: dtypes and shapes
-            nbytes = len(files) * sum(t.nbytes for t in stored.values())
-            size = f"{nbytes / 1e9:.2f} GB {copy_label(dtype, kind)}"
-            # Refused before the first byte (a full disk would stop it part-way, after minutes of
-            # writing); a damaged copy's files count as room, being replaced. 64 KiB: a header
-            needed = nbytes + len(files) * 2**16
-            held = sum(f.stat().st_size for f in folder.glob("*") if f.is_file())  # none: 0
-            if needed > (free := shutil.disk_usage(offload_dir).free + held):
-                raise OffloadError(
-                    f"the converted copy needs {needed / 1e9:.3g} GB, but {offload_dir} has "
-                    f"{free / 1e9:.3g} GB free: free space there or choose another --offload-dir"
-                )
-            say = f"the {size} copy in {folder} is damaged ({damage}); writing it again"
-            if not damage:
-                say = (
-                    f"writing a {size} per-layer copy of {ckpt.folder} into {folder} "
-                    "(reused next time; delete it to free the space)"
-                )
-            print(f"offload: {say}", file=sys.stderr)
-            write_copy(ckpt, shapes, dtype, kind, folder, manifest, files)
+            if damage is not None:  # None: converted by an earlier run, and whole
+                write_copy(ckpt, shapes, dtype, kind, folder, manifest, files, damage)
     except OSError as err:
         raise OffloadError(f"cannot write offload folder {folder}: {err.strerror or err}") from None
     return [read_header(path) for path in files], folder
 
 
-def reads_in_place(ckpt: Checkpoint, dtype, kind) -> bool:
-    """Whether the ssd tier streams the checkpoint's own files: every decoder layer's tensor is
-    stored as the model names it (not stacked from a mixture's experts, not in a .bin), in
-    `dtype`, at an offset a view of `dtype` can start at, and is not to be quantized."""
-    entries = [ckpt.entries.get(n) for n in ckpt.names() if n.startswith("model.layers.")]
-    fits = all(e and e.dtype == dtype and e.start % dtype.itemsize == 0 for e in entries)
-    return fits and kind is None
-
-
-def copy_folder(ckpt: Checkpoint, dtype, kind, offload_dir) -> Path:
+def copy_folder(ckpt: Checkpoint, dtype, kind, offload_dir) -> Path | None:
     """Where `ssd_layers` writes (or finds) the copy of `ckpt` in `dtype`, quantized as `kind` says:
     named for the checkpoint's files as they are now (`fingerprint`), so a changed checkpoint
-    gets a new copy."""
+    gets a new copy. None where the ssd tier streams the checkpoint's own files: every decoder
+    layer's tensor stored as the model names it (not stacked from a mixture's experts, not in a
+    .bin), in `dtype`, at an offset a view of `dtype` can start at, and not to be quantized."""
+    layers = [ckpt.entries.get(n) for n in ckpt.names() if n.startswith("model.layers.")]
+    fits = all(e and e.dtype == dtype and e.start % dtype.itemsize == 0 for e in layers)
+    if fits and kind is None:
+        return None
+    if offload_dir is None:
+        raise OffloadError(f"{ckpt.folder} needs a one-time conversion for ssd; pass offload_dir")
     name = f"{ckpt.folder.name}-{ckpt.fingerprint()}-{copy_label(dtype, kind)}"
     return Path(offload_dir).expanduser() / name
 
@@ -383,13 +359,12 @@ def copy_label(dtype, kind) -> str:
 
 def check_removable(ckpt: Checkpoint, dtype, kind, offload_dir) -> None:
     """--offload-clean, checked before the run rather than after it: the copy this run writes or
-    reuses in `offload_dir` can be removed again (its folder, and the one holding it, are
-    writable; a read-only offload_dir can hold a finished copy, reused without a write).
-    dtype None: the checkpoint's own."""
-    dtype = dtype or ckpt.dtype
-    if offload_dir is None or reads_in_place(ckpt, dtype, kind):
-        return  # no copy to remove
-    folder = copy_folder(ckpt, dtype, kind, offload_dir)
+    reuses in `offload_dir` (the CLI's --offload-dir, never None) can be removed again (its
+    folder, and the one holding it, are writable; a read-only offload_dir can hold a finished
+    copy, reused without a write). dtype None: the checkpoint's own."""
+    folder = copy_folder(ckpt, dtype or ckpt.dtype, kind, offload_dir)
+    if folder is None:
+        return  # the checkpoint's own files are read: no copy to remove
     for where in (folder, folder.parent):
         if where.exists() and not os.access(where, os.W_OK | os.X_OK):
             raise OffloadError(
@@ -422,15 +397,10 @@ def copy_damage(folder: Path, manifest: dict, files: list[Path]) -> str | None:
     naming it: the ssd tier would have to read it every pass, and writing it again could not
     change who may read it."""
     try:
-        try:
-            written = json.loads((folder / "manifest.json").read_text())
-            sizes, digests = zip(*(written["files"][file.name] for file in files))  # as written
-            if {**manifest, "files": written["files"]} != written:
-                return "its manifest.json describes another copy"
-        except FileNotFoundError:
-            return ""
-        except (ValueError, KeyError, TypeError):
-            return "its manifest.json is not one this version wrote"
+        written = json.loads((folder / "manifest.json").read_text())
+        sizes, digests = zip(*(written["files"][file.name] for file in files))  # as written
+        if {**manifest, "files": written["files"]} != written:
+            return "its manifest.json describes another copy"
         for file, size in zip(files, sizes):
             if not file.is_file() or file.stat().st_size != size:
                 return f"{file.name} is missing or not {size} bytes"
@@ -438,6 +408,10 @@ def copy_damage(folder: Path, manifest: dict, files: list[Path]) -> str | None:
             for file, digest, found in zip(files, digests, pool.map(sha256, files)):
                 if found != digest:
                     return f"{file.name} is not the file that was written"
+    except FileNotFoundError:  # no manifest: never finished
+        return ""
+    except (ValueError, KeyError, TypeError):  # not JSON, or not a manifest of ours
+        return "its manifest.json is not one this version wrote"
     except OSError as err:  # PermissionError, EIO: reading, not writing, failed
         raise OffloadError(
             f"cannot read the converted copy's {err.filename or folder} ({err.strerror or err}); "
@@ -451,8 +425,11 @@ def sha256(path: Path) -> str:
         return hashlib.file_digest(file, "sha256").hexdigest()
 
 
-def write_copy(ckpt, shapes, dtype, kind, folder: Path, manifest: dict, files: list[Path]):
+def write_copy(ckpt, shapes, dtype, kind, folder: Path, manifest: dict, files: list, damage: str):
     """Convert every layer into its file, then write the manifest; on any failure remove them.
+    Announced on stderr (`damage`: what is wrong with the copy there, "" if there is none), and
+    refused before the first byte where the disk has no room for it: a full disk would stop it
+    part-way, after minutes of writing.
 
     Meanwhile SIGTERM (`kill`, a job scheduler's stop, a closing terminal's session) raises
     Terminated, as Ctrl-C raises KeyboardInterrupt, so that a half-written copy is removed before
@@ -460,6 +437,24 @@ def write_copy(ckpt, shapes, dtype, kind, folder: Path, manifest: dict, files: l
     thread (where Python cannot set a handler)."""
     from safetensors.torch import save
 
+    stored = quantize.stored_layer(shapes, dtype, kind)  # meta: dtypes and shapes
+    nbytes = len(files) * sum(t.nbytes for t in stored.values())
+    size = f"{nbytes / 1e9:.2f} GB {copy_label(dtype, kind)}"
+    # A damaged copy's files count as room, being replaced. 64 KiB: a header
+    needed = nbytes + len(files) * 2**16
+    held = sum(f.stat().st_size for f in folder.glob("*") if f.is_file())  # none: 0
+    if needed > (free := shutil.disk_usage(folder.parent).free + held):
+        raise OffloadError(
+            f"the converted copy needs {needed / 1e9:.3g} GB, but {folder.parent} has "
+            f"{free / 1e9:.3g} GB free: free space there or choose another --offload-dir"
+        )
+    say = f"the {size} copy in {folder} is damaged ({damage}); writing it again"
+    if not damage:
+        say = (
+            f"writing a {size} per-layer copy of {ckpt.folder} into {folder} "
+            "(reused next time; delete it to free the space)"
+        )
+    print(f"offload: {say}", file=sys.stderr)
     sums, main = {}, threading.current_thread() is threading.main_thread()
     if ours := main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, terminate)
