@@ -11,6 +11,7 @@ import contextlib
 import copy
 import errno
 import itertools
+import json
 import math
 import os
 import random
@@ -1296,6 +1297,24 @@ def test_truncated_shard_names_the_file(checkpoints, tmp_path):
     shard.unlink()
     with pytest.raises(offload.OffloadError, match=f"missing checkpoint shard .*{shard.name}"):
         offload.from_pretrained(tmp_path, mode="ssd", device="cpu")
+
+
+@pytest.mark.parametrize("offsets", [[0, 4, 8], [0], None, [0, "x"]])
+def test_a_header_of_bad_offsets_is_a_corrupt_shard(checkpoints, tmp_path, offsets):
+    """A header whose data_offsets are no (start, end) pair: one error naming the shard, not
+    a traceback from unpacking it."""
+    source, _ = checkpoints["llama"]
+    for file in source.iterdir():
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    shard = sorted(tmp_path.glob("*.safetensors"))[0]
+    data = shard.read_bytes()
+    length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + length])
+    header[next(n for n in header if n != "__metadata__")]["data_offsets"] = offsets
+    text = json.dumps(header).encode()
+    shard.write_bytes(len(text).to_bytes(8, "little") + text + data[8 + length :])
+    with pytest.raises(offload.OffloadError, match=f"corrupt safetensors shard .*{shard.name}"):
+        offload.from_pretrained(tmp_path, mode="ram", device="cpu")
 
 
 def test_unwritable_offload_folder(tmp_path):

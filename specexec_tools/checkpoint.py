@@ -87,13 +87,16 @@ def read_header(path: Path) -> dict[str, Entry]:
             header = json.loads(file.read(length))
             header.pop("__metadata__", None)
             infos = {n: (i["dtype"], i["data_offsets"], i["shape"]) for n, i in header.items()}
+            infos = {
+                n: (d, int(a), int(b), tuple(map(int, s))) for n, (d, (a, b), s) in infos.items()
+            }
         except (ValueError, KeyError, TypeError, AttributeError):
             raise OffloadError(f"corrupt safetensors shard {path}: header is not one") from None
     entries, base = {}, 8 + length  # the header's offsets count from its end
-    for name, (dtype, (start, end), shape) in infos.items():
+    for name, (dtype, start, end, shape) in infos.items():
         if dtype not in DTYPES:
             raise OffloadError(f"{path}: tensor {name} has unsupported dtype {dtype}")
-        entries[name] = Entry(path, DTYPES[dtype], tuple(shape), base + start, base + end)
+        entries[name] = Entry(path, DTYPES[dtype], shape, base + start, base + end)
     if (last := max((entry.end for entry in entries.values()), default=0)) > size:
         raise OffloadError(f"truncated safetensors shard {path}: {size} bytes, header says {last}")
     return entries
