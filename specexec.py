@@ -60,7 +60,7 @@ class Options:
     max_depth: int = 16  # draft passes per step (auto: at most this)
     width: int = 32  # nodes expanded per draft pass
     branch: int = 8  # children kept per expanded node
-    lookup: int = 8  # prompt lookup: the longest continuation copied into the tree (0: none)
+    lookup: int = 32  # prompt lookup: the longest continuation copied into the tree (0: none)
     temperature: float = 0.0  # 0: greedy (exact argmax)
     top_p: float = 1.0  # nucleus sampling mass (1: off)
     top_k: int = 0  # sample from the k most likely (0: off)
@@ -225,14 +225,16 @@ def grow_tree(run, seq, budget, max_depth, width, branch):
 def lookup_chains(seq, longest, most=4):
     """Prompt lookup: what followed the last tokens of `seq` where they occurred before (the
     longest suffix of 3, 2 or 1 tokens that did), up to `longest` tokens after each of its `most`
-    latest occurrences. Text repeats itself and its prompt: code, a rewrite, a list."""
-    for n in (3, 2, 1):
-        suffix, chains = seq[-n:], []
-        for i in range(len(seq) - n - 1, -1, -1):  # the latest first, before the suffix itself
-            if seq[i : i + n] == suffix and len(chains) < most:
-                chains.append(seq[i + n : i + n + longest])
-        if chains:
-            return chains
+    latest occurrences; after a new token (a word corrected), what followed the tokens before it,
+    a token on, as if it replaced that one. Text repeats itself: code, a rewrite, a list."""
+    for end, skip in ((len(seq), 0), (len(seq) - 1, 1)):  # the last token as found, as replaced
+        for n in (3, 2, 1):
+            suffix, chains = seq[end - n : end], []
+            for i in range(end - n - 1, -1, -1):  # the latest first, before the suffix itself
+                if seq[i : i + n] == suffix and len(chains) < most:
+                    chains.append(seq[i + n + skip : i + n + skip + longest])
+            if chains:
+                return chains
     return []
 
 
