@@ -8,8 +8,9 @@ quantize.py     int8 / int4 weights for the offloaded target and the self-draft
 cost_model.py   the budget policies: a fixed budget, and budget "auto" (the cost model)
 
 Every refusal is one line naming the input; the command line prints it as `error: ...`, exit 2.
-This file holds the errors and the options' checks, and imports neither torch nor transformers:
-the command line checks its flags before torch loads.
+This file holds the errors and the checks specexec.py calls (its options, generate's arguments,
+the logits' finiteness), and imports neither torch nor transformers at load: the command line
+checks its flags before torch loads.
 """
 
 import math
