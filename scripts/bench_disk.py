@@ -52,6 +52,7 @@ class DiskBenchConfig:
     prompts: int = option(3, "held-out prompts")
     tokens: int = option(48, "new tokens per prompt")
     budgets: str = option("1,4,8,16,32,64,128,256,auto", "SpecExec budgets, comma-separated")
+    max_depth: int = option(specexec.Options.max_depth, "draft passes per step, at most")
     draft_threads: int = option(specexec.Options.draft_threads, "threads of the draft's passes")
     device: str = option("cpu", "where the target computes and the draft lives: cpu, cuda")
     offload: str = option("ssd", "the target's layers read each pass from: ssd, or ram (cuda)")
@@ -184,7 +185,8 @@ def run(cfg, folder):
     prompt_ids, eos = common.held_out_prompts(folder, cfg.prompts, cfg.prompt_kind)
     print(
         f"{len(prompt_ids)} {cfg.prompt_kind} prompts x {cfg.tokens} new tokens, greedy; "
-        f"target {folder} streamed from {cfg.offload}, draft {what}; float32 on {device}\n"
+        f"target {folder} streamed from {cfg.offload}, draft {what}; float32 on {device}; "
+        f"trees at most {cfg.max_depth} deep\n"
     )
 
     def plain(i, ids, n=cfg.tokens):
@@ -193,8 +195,8 @@ def run(cfg, folder):
     def speculative(budget, lookup=0, with_draft=True):
         def decode(i, ids, n=cfg.tokens):
             return specexec.generate(target, draft if with_draft else None, ids, max_new_tokens=n,
-                                     budget=budget, eos_token_id=eos, lookup=lookup,
-                                     draft_threads=cfg.draft_threads)  # fmt: skip
+                                     budget=budget, max_depth=cfg.max_depth, lookup=lookup,
+                                     eos_token_id=eos, draft_threads=cfg.draft_threads)  # fmt: skip
 
         return decode
 
