@@ -99,7 +99,7 @@ class DraftTree:
     depth: list  # edges from the root (root: 0)
     budget: int  # how many nodes (besides the root) the target will verify
     candidates: list = field(default_factory=list)  # heap of (rank, node): best on top
-    best_nodes: list = field(default_factory=list)  # heap of (worst_first, node): worst on top
+    best_nodes: list = field(default_factory=list)  # heap of (rank reversed, node): worst on top
     fed: list = field(default_factory=list)  # nodes (not the root) in the draft's cache, in order
     children: dict = field(default_factory=dict)  # (parent, token) -> node
     looked_up: set = field(default_factory=set)  # nodes that prompt lookup added
@@ -107,9 +107,6 @@ class DraftTree:
 
     def rank(self, node):  # best first: higher cum_logprob; on a tie the earlier node (a parent)
         return (-self.cum_logprob[node], node)
-
-    def worst_first(self, node):  # the rank, reversed
-        return (self.cum_logprob[node], -node)
 
     def add_child(self, parent, token, logprob):  # a new node, `logprob` below its parent
         self.children[(parent, token)] = child = len(self.tokens)
@@ -135,7 +132,7 @@ class DraftTree:
     def admit(self, node):
         """Put `node` among the best nodes, pushing out the worst once there are `budget`;
         returns the node pushed out (`node` itself if it ranks below them all), or None."""
-        entry = (self.worst_first(node), node)
+        entry = ((self.cum_logprob[node], -node), node)  # the rank reversed: worst on top
         if len(self.best_nodes) < self.budget:
             heapq.heappush(self.best_nodes, entry)
             return None
@@ -410,7 +407,6 @@ class Step:
     n_fed: int  # tokens its target pass read: the trunk and the tree
     tree: DraftTree  # the draft's and lookup's nodes (only the root: a plain step)
     path: list  # the accepted tree nodes
-    draft_passes: int = 0
     draft_s: float = 0.0  # seconds growing the tree
     target_s: float = 0.0  # seconds of the target pass and acceptance
     total_s: float = 0.0  # seconds of the whole step
@@ -450,7 +446,7 @@ def speculative_step(run, seq, budget, max_depth):
 
     tokens = [tree.tokens[node] for node in path] + [bonus]
     seconds = dict(draft_s=draft_s(), target_s=target_s(), total_s=time.perf_counter() - start)
-    return Step(tokens, budget, max_depth, n_fed, tree, path, tree.draft_passes, **seconds)
+    return Step(tokens, budget, max_depth, n_fed, tree, path, **seconds)
 
 
 # ---- the loop ----
@@ -536,16 +532,14 @@ def autoregressive(model, input_ids, *, eos_token_id=None, on_tokens=None, opts=
 
 @dataclass
 class Stats:
-    """What a run did, added up from its steps; `steps` counts target passes (worded by
-    specexec_app/cli.py's `summary`)."""
+    """What a run did, step by step (a step: one target pass); worded by specexec_app/cli.py's
+    `summary`."""
 
-    steps: int = 0
-    new_tokens: int = 0
-    draft_passes: int = 0
-    emitted: list = field(default_factory=list)  # tokens per step: accepted path + bonus
-    tree_sizes: list = field(default_factory=list)  # nodes verified per step
-    tree_depths: list = field(default_factory=list)  # how deep the verified tree went
+    emitted: list = field(default_factory=list)  # tokens kept per step: accepted path + bonus
     budgets: list = field(default_factory=list)  # (budget, max_depth) each step was given
+    tree_sizes: list = field(default_factory=list)  # nodes verified per step
+    tree_depths: list = field(default_factory=list)  # how deep each step's verified tree went
+    draft_passes: int = 0
     looked_up: int = 0  # tokens emitted from lookup's nodes
     policy: object = None  # what sized the steps: FixedBudget, or auto's CostModel
     threads: int = 0  # CPU threads of the target's passes
@@ -558,17 +552,17 @@ class Stats:
     def add(self, step, n_emitted):
         """One step, of which `n_emitted` tokens were kept (the rest lay past a stop)."""
         nodes = step.tree.best()
-        self.steps += 1
-        self.new_tokens += n_emitted
-        self.draft_passes += step.draft_passes
         self.emitted.append(n_emitted)
+        self.budgets.append((step.budget, step.max_depth))
         self.tree_sizes.append(len(nodes))
         self.tree_depths.append(max((step.tree.depth[node] for node in nodes), default=0))
-        self.budgets.append((step.budget, step.max_depth))
+        self.draft_passes += step.tree.draft_passes
         self.looked_up += sum(node in step.tree.looked_up for node in step.path[:n_emitted])
         self.time_draft += step.draft_s
         self.time_target += step.target_s
 
+    steps = property(lambda self: len(self.emitted))
+    new_tokens = property(lambda self: sum(self.emitted))
     tokens_per_step = property(lambda self: self.new_tokens / max(1, self.steps))
     tokens_per_second = property(lambda self: self.new_tokens / max(1e-9, self.time_total))
     histogram = property(lambda self: dict(sorted(Counter(self.emitted).items())))  # k: steps

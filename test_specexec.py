@@ -620,7 +620,8 @@ def test_cost_model_measures_a_second_size_with_a_plain_step_unless_the_target_s
 def observe(cost, choice, n_fed, draft_s, target_s, passes, tree, path, bonus=99):
     """A step of `choice` that took draft_s + target_s seconds, as speculative_step reports it."""
     tokens = [tree.tokens[node] for node in path] + [bonus]
-    step = specexec.Step(tokens, *choice, n_fed, tree, path, passes, draft_s, target_s)
+    tree.draft_passes = passes
+    step = specexec.Step(tokens, *choice, n_fed, tree, path, draft_s, target_s)
     step.total_s = draft_s + target_s
     cost.update(step)
 
@@ -959,20 +960,20 @@ def test_a_tensor_prompt_equals_a_list_prompt():
 def test_summary_says_what_a_step_is_and_counts_in_words():
     """One line a user reads: a step is a target pass; one token, one pass, one step; a tree is
     as deep as it went, not as deep as it was allowed (a 4-node tree is never 16 deep)."""
-    stats = specexec.Stats(steps=1, new_tokens=1, budgets=[(32, 8)], tree_depths=[8])
+    stats = specexec.Stats(emitted=[1], budgets=[(32, 8)], tree_depths=[8])
     stats.time_total, stats.draft_passes = 0.5, 8
     assert cli.summary(stats).startswith("1 token in 1 target pass (1.00 per pass), 2 tokens/s;")
     assert cli.summary(stats).endswith(
         "; budget 32, trees up to 8 deep; 8.0 draft passes per target pass"
     )
-    stats = specexec.Stats(steps=3, new_tokens=5, budgets=[(4, 16), (0, 0), (4, 16)])
+    stats = specexec.Stats(emitted=[2, 1, 2], budgets=[(4, 16), (0, 0), (4, 16)])
     stats.tree_depths, stats.draft_passes, stats.threads = [3, 0, 2], 6, 1
     assert cli.summary(stats).startswith("5 tokens in 3 target passes (1.67 per pass)")
     assert cli.summary(stats).endswith(
         "; budget 4, trees up to 3 deep; plain decoding (no tree) in 1 step; "
         "2.0 draft passes per target pass; threads 1"
     )
-    plain = specexec.Stats(steps=2, new_tokens=2, budgets=[(0, 0)] * 2, tree_depths=[0, 0])
+    plain = specexec.Stats(emitted=[1, 1], budgets=[(0, 0)] * 2, tree_depths=[0, 0])
     assert "budget" not in cli.summary(plain) and "plain decoding" not in cli.summary(plain)
 
 

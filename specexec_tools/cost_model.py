@@ -276,12 +276,13 @@ class CostModel:
     def update(self, step):
         """What a step (specexec.Step) of (budget, depth) cost, and what the target picked at
         each node it reached: the path's tokens, then the bonus."""
-        budget, depth, passes = step.budget, step.max_depth, step.draft_passes
-        choice, other_s = (budget, depth), step.total_s - step.draft_s - step.target_s
+        budget, choice = step.budget, (step.budget, step.max_depth)
+        other_s = step.total_s - step.draft_s - step.target_s
         self.target_s[step.n_fed] = running_mean(self.target_s.get(step.n_fed), step.target_s)
         if self.steps:  # not the first step, which reads the prompt too: no step's whole cost
             if budget:  # how far the parts fell short of the whole, as predicted
-                predicted = self.from_parts(budget, self.gains.get(choice, (0, passes))[1])
+                passes = self.gains.get(choice, (0, step.tree.draft_passes))[1]
+                predicted = self.from_parts(budget, passes)
                 self.time_scale = running_mean(self.time_scale, step.total_s / predicted)
             self.step_s[choice] = running_mean(self.step_s.get(choice), step.total_s)
             self.other_s = running_mean(self.other_s if self.steps > 1 else None, other_s)
@@ -293,10 +294,11 @@ class CostModel:
             self.looks = 0  # it paid: looks, if needed again, start from the shortest wait
         self.tree_steps, self.largest = self.tree_steps + 1, max(self.largest, budget)
         # The first tree's draft passes read the prompt too: its draft pass stands only until
-        # a second tree's replaces it (as the first step's whole cost does for other_s).
-        old_draft_s = self.draft_s if self.tree_steps > 2 else None
-        self.draft_s = running_mean(old_draft_s, step.draft_s / max(1, passes))  # lookup: 0
+        # a second tree's replaces it (as the first step's whole cost does for other_s). Lookup
+        # alone: no pass.
         tree, path = step.tree, step.path
+        old_draft_s = self.draft_s if self.tree_steps > 2 else None
+        self.draft_s = running_mean(old_draft_s, step.draft_s / max(1, tree.draft_passes))
         promise, self.promise = self.promise, None
         if promise is None:  # chosen before its gains were seen (the first): as its draft expected
             reach = self.reach(tree)
@@ -309,7 +311,7 @@ class CostModel:
                 edge = self.bin(tree.cum_logprob[node] - tree.cum_logprob[parent])
                 self.seen[edge] += 1
                 self.followed[edge] += tree.tokens[node] == picked[parent]
-        for key, (gain, need) in self.tree_gains(tree, depth).items():
+        for key, (gain, need) in self.tree_gains(tree, step.max_depth).items():
             old_gain, old_need = self.gains.get(key, (None, None))
             self.gains[key] = running_mean(old_gain, gain), running_mean(old_need, need)
 
