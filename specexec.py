@@ -150,15 +150,15 @@ class DraftTree:
             batch.append(heapq.heappop(self.candidates)[-1])
         return batch
 
-    def add_lookup(self, chains, logprob, deepest):
-        """Lookup's chains as branches from the root, each token `logprob` below its parent (how
-        often lookup's proposals were taken), no deeper than `deepest`; a token the draft found
-        there keeps its node, ranked the higher. They compete for the budget as the draft's nodes
-        do. Returns the nodes the chains proposed, the draft's among them."""
+    def add_lookup(self, chains, logprob, deepest, start=0):
+        """Lookup's chains as branches from `start` (the root), each token `logprob` below its
+        parent (how often lookup's proposals were taken), no deeper than `deepest`; a token the
+        draft found there keeps its node, ranked the higher. They compete for the budget as the
+        draft's nodes do. Returns the nodes the chains proposed, the draft's among them."""
         best, proposed = {node for _, node in self.best_nodes}, set()
         for chain in chains:
-            node = 0
-            for token in chain[:deepest]:
+            node = start
+            for token in chain[: deepest - self.depth[start]]:
                 child = self.children.get((node, token))
                 if child not in best:  # else the draft's node, or an earlier chain's
                     if child is None:
@@ -172,6 +172,9 @@ class DraftTree:
                 proposed.add(child)
                 node = child
         return proposed
+
+    def path(self, node):  # the tokens from the root's child down to `node`
+        return self.path(self.parents[node]) + [self.tokens[node]] if node else []
 
     def best(self):
         """The `budget` most probable nodes but the root, parents first: what the target verifies.
@@ -220,18 +223,14 @@ def grow_tree(run, seq, budget, max_depth, width, branch):
 
 
 def lookup_chains(seq, longest, most=4):
-    """Prompt lookup: what followed the last tokens of `seq` where they occurred before (the
-    longest suffix of 3, 2 or 1 tokens that did), up to `longest` tokens after each of its `most`
-    latest occurrences; after a new token (a word corrected), what followed the tokens before it,
-    a token on, as if it replaced that one. Text repeats itself: code, a rewrite, a list."""
+    """Prompt lookup, as text repeats itself (code, a rewrite, a list): what followed the last 3,
+    2 or 1 tokens of `seq` (the most found before) at their `most` latest occurrences, up to
+    `longest` tokens; after a new token (a fix), what followed those before it, a token on."""
     for end, skip in ((len(seq), 0), (len(seq) - 1, 1)):  # the last token as found, as replaced
-        for n in (3, 2, 1):
-            suffix, chains = seq[end - n : end], []
-            for i in range(end - n - 1, -1, -1):  # the latest first, before the suffix itself
-                if seq[i : i + n] == suffix and len(chains) < most:
-                    chains.append(seq[i + n + skip : i + n + skip + longest])
-            if chains:
-                return chains
+        for n in (3, 2, 1):  # each start of the suffix before itself, the latest first
+            starts = [i for i in range(end - n - 1, -1, -1) if seq[i : i + n] == seq[end - n : end]]
+            if starts:
+                return [seq[i + n + skip : i + n + skip + longest] for i in starts[:most]]
     return []
 
 
@@ -419,11 +418,12 @@ def speculative_step(run, seq, budget, max_depth):
     start = time.perf_counter()
     with timed(run.draft.device if run.draft else "cpu", budget and run.draft_threads) as draft_s:
         tree = grow_tree(run, seq, budget, max_depth, run.opts.width, run.opts.branch)
-        proposed = set()  # lookup's nodes ranked by how often its proposals were taken, so far
-        if budget and run.opts.lookup:
-            taken = math.log(run.lookup_taken / run.lookup_offered)
-            chains = lookup_chains(seq, run.opts.lookup)
-            proposed = tree.add_lookup(chains, taken, run.limit - len(seq))
+        proposed, tip, taken = set(), 0, math.log(run.lookup_taken / run.lookup_offered)
+        for _ in range(2 if budget and run.opts.lookup else 0):  # lookup: from the root, then on
+            # from the deepest best node (its path read as text), where the likeliest guess stops
+            chains = lookup_chains(seq + tree.path(tip), run.opts.lookup)
+            proposed |= tree.add_lookup(chains, taken, run.limit - len(seq), tip)
+            tip = max(tree.best(), key=lambda node: (tree.depth[node], -node), default=0)
         nodes = tree.best()
     n_fed = len(seq) - run.target_cache.get_seq_length() + len(nodes)  # trunk and tree
     with timed(run.target.device) as target_s:

@@ -1588,7 +1588,8 @@ def test_lookup_branches_keep_the_tree_the_best_budget_closed_under_ancestors(
     """Lookup's nodes join a draft tree (random draft nodes first): the verified nodes stay at
     most `budget`, closed under ancestors, each no better than its parent, a (parent, token)
     once; a lookup node that did not make it has no verified descendant; what it returns as
-    proposed is what the chains spell (a brute-force oracle), the draft's nodes among them."""
+    proposed is what the chains spell below `start` (the root, or a verified node: where the
+    step goes on looking up; a brute-force oracle), the draft's nodes among them."""
     tree = specexec.DraftTree(tokens=[seq[-1]], parents=[-1], cum_logprob=[0.0], depth=[0],
                               budget=budget)  # fmt: skip
     for _ in range(data.draw(st.integers(0, 10))):  # some draft nodes, as add_children adds
@@ -1600,18 +1601,23 @@ def test_lookup_branches_keep_the_tree_the_best_budget_closed_under_ancestors(
     before = tree.best()
     if any(tree.parents[n] not in {0, *before} for n in before):
         return  # random draft nodes need not form a tree; lookup's promise is about a tree
+    start = data.draw(st.sampled_from([0, *(n for n in before if tree.depth[n] <= 5)]))
     chains = specexec.lookup_chains(seq, 6)
-    proposed = tree.add_lookup(chains, logprob, deepest=5)
+    proposed = tree.add_lookup(chains, logprob, deepest=5, start=start)
     best = tree.best()
     assert len(best) <= budget
 
-    def spelled(node):  # the tokens from the root's child down to node
-        return spelled(tree.parents[node]) + [tree.tokens[node]] if node else []
+    def spelled(node):  # the tokens from start's child down to node; None: not below start
+        if node in (start, 0):
+            return () if node == start else None
+        above = spelled(tree.parents[node])
+        return None if above is None else above + (tree.tokens[node],)
 
-    prefixes = {tuple(chain[:k]) for chain in chains for k in range(1, min(len(chain), 5) + 1)}
+    room = 5 - tree.depth[start]
+    prefixes = {tuple(chain[:k]) for chain in chains for k in range(1, min(len(chain), room) + 1)}
     # What the step counts as lookup's: every verified node a chain spells, the draft's too
-    assert {n for n in best if tuple(spelled(n)) in prefixes} <= proposed
-    assert all(tuple(spelled(n)) in prefixes for n in proposed)
+    assert {n for n in best if spelled(n) in prefixes} <= proposed
+    assert all(spelled(n) in prefixes for n in proposed)
     assert all(tree.parents[n] in {0, *best} for n in best)
     assert all(tree.cum_logprob[n] <= tree.cum_logprob[tree.parents[n]] for n in best)
     pairs = [(tree.parents[n], tree.tokens[n]) for n in range(1, len(tree.tokens))]
