@@ -418,12 +418,14 @@ def speculative_step(run, seq, budget, max_depth):
     start = time.perf_counter()
     with timed(run.draft.device if run.draft else "cpu", budget and run.draft_threads) as draft_s:
         tree = grow_tree(run, seq, budget, max_depth, run.opts.width, run.opts.branch)
-        proposed, tip, taken = set(), 0, math.log(run.lookup_taken / run.lookup_offered)
-        for _ in range(2 if budget and run.opts.lookup else 0):  # lookup: from the root, then on
-            # from the deepest best node (its path read as text), where the likeliest guess stops
-            chains = lookup_chains(seq + tree.path(tip), run.opts.lookup)
-            proposed |= tree.add_lookup(chains, taken, run.limit - len(seq), tip)
+        proposed = set()  # lookup's nodes, ranked by how often its proposals were taken so far
+        if budget and run.opts.lookup:  # from the root, then on from the deepest best node (its
+            # path read as text): where the likeliest guess, the draft's or lookup's, stops
+            taken, deepest = math.log(run.lookup_taken / run.lookup_offered), run.limit - len(seq)
+            proposed = tree.add_lookup(lookup_chains(seq, run.opts.lookup), taken, deepest)
             tip = max(tree.best(), key=lambda node: (tree.depth[node], -node), default=0)
+            chains = lookup_chains(seq + tree.path(tip), run.opts.lookup)
+            proposed |= tree.add_lookup(chains, taken, deepest, tip)
         nodes = tree.best()
     n_fed = len(seq) - run.target_cache.get_seq_length() + len(nodes)  # trunk and tree
     with timed(run.target.device) as target_s:
