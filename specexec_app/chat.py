@@ -174,10 +174,8 @@ def tokenize(tokenizer, prompt, chat_template, folder):
         text = "".join(("\n" if m["role"] == "user" and i else "") + m["content"]
                        for i, m in enumerate(messages))  # fmt: skip
         return tokenizer(text)["input_ids"]
-    try:  # transformers 5 returns a BatchEncoding, which is no dict: ask for it by name
-        encoded = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=True
-        )
+    try:  # transformers 5 returns a BatchEncoding, which is no dict: ask for input_ids by name
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except Exception as error:  # a template is a program (Jinja) and can fail in any way
         raise SpecExecError(f"{folder}: its chat template fails ({one_line(error)})") from None
     return list(encoded["input_ids"])
