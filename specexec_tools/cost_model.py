@@ -17,8 +17,6 @@ import math
 from dataclasses import dataclass, field
 from itertools import accumulate
 
-WEIGHT = 0.3  # of the newest step in a running mean (the older ones fade by 1 - WEIGHT a step)
-
 
 @dataclass
 class FixedBudget:
@@ -92,8 +90,9 @@ def draft_threads(opts, draft):
 # ---- budget auto ----
 
 
-def running_mean(old, new, weight=WEIGHT):
-    """An exponential running mean: recent steps count most (costs drift as the context grows)."""
+def running_mean(old, new, weight=0.3):
+    """An exponential running mean: recent steps count most (costs drift as the context grows).
+    The newest step weighs `weight`; the older ones fade by 1 - weight a step."""
     return new if old is None else (1 - weight) * old + weight * new
 
 
