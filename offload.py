@@ -418,7 +418,8 @@ round_up = lambda nbytes: -(-nbytes // PAGE) * PAGE  # to whole pages
 class Storage:
     """Where layers' bytes live. `layouts[i]`, a Layout: what a load of layer i moves into a slot.
     `load` queues a layer's way into a slot and returns the event compute waits for;
-    `load_resident` does it once for a resident layer, into a buffer it binds for good."""
+    `load_resident` does it once for a resident layer, into a buffer it binds for good; `close`
+    gives back what the storage holds."""
 
     reads_ssd = False  # whether a load blocks the host on the SSD
 
@@ -426,7 +427,6 @@ class Storage:
 
     resident_views = views  # a resident layer's buffer is a slot
     load_resident = lambda self, layer, buffer, ops: self.load(layer, buffer, ops)
-    close = lambda self: None  # nothing held
 
 
 class RamStorage(Storage):

@@ -11,9 +11,7 @@ import re
 import sys
 
 import specexec
-from specexec_tools import SpecExecError, check_call, one_line
-from specexec_tools.cost_model import make_policy
-from specexec_tools.models import preflight
+from specexec_tools import SpecExecError, check_call, cost_model, models, one_line
 
 
 class Chat:
@@ -28,9 +26,9 @@ class Chat:
 
     def __init__(self, target, draft, opts=None, **options):
         self.opts = check_call(opts, options, None, specexec.Options)
-        preflight(target, draft, None)  # models, and a pair that can run together
+        models.preflight(target, draft, None)  # models, and a pair that can run together
         self.target, self.draft = target, draft
-        self.policy = make_policy(self.opts, target, draft)
+        self.policy = cost_model.make_policy(self.opts, target, draft)
         self.seq = []  # the tokens the caches were last left holding, but the last
         self.caches = None  # (target's, draft's); made by the first turn's Run
 
@@ -38,7 +36,7 @@ class Chat:
         """One turn: `input_ids` is the whole conversation so far. Returns (new_tokens, Stats);
         `stats.reused` counts the prompt tokens the target's cache already held."""
         opts = check_call(self.opts, {}, on_tokens, specexec.Options)
-        seq, limit, eos = preflight(self.target, self.draft, input_ids, eos_token_id)
+        seq, limit, eos = models.preflight(self.target, self.draft, input_ids, eos_token_id)
         # Keep the longest prefix of what the caches hold (self.seq but its last token) that the
         # new prompt shares, leaving the prompt's last token out: the first tree's root.
         held = self.seq[:-1]
@@ -174,10 +172,8 @@ def tokenize(tokenizer, prompt, chat_template, folder):
         text = "".join(("\n" if m["role"] == "user" and i else "") + m["content"]
                        for i, m in enumerate(messages))  # fmt: skip
         return tokenizer(text)["input_ids"]
-    try:  # transformers 5 returns a BatchEncoding, which is no dict: ask for it by name
-        encoded = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=True
-        )
+    try:  # transformers 5 returns a BatchEncoding, which is no dict: ask for input_ids by name
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     except Exception as error:  # a template is a program (Jinja) and can fail in any way
         raise SpecExecError(f"{folder}: its chat template fails ({one_line(error)})") from None
     return list(encoded["input_ids"])

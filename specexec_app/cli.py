@@ -226,8 +226,7 @@ def run(args):
 
     import offload
     from specexec_app import chat
-    from specexec_tools import models
-    from specexec_tools.checkpoint import check_removable
+    from specexec_tools import checkpoint, models
 
     opts, device = args.opts, pick_device(args.device)
     torch.set_num_threads(args.threads or free_cores())
@@ -251,7 +250,7 @@ def run(args):
     dtype = torch.float32 if args.dtype == "auto" and device.type == "cpu" else None
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else dtype  # None: the checkpoint's
     if args.offload_clean:  # a copy it could not remove: refused now, not after the run
-        check_removable(target.checkpoint, dtype, args.quantize, args.offload_dir)
+        checkpoint.check_removable(target.checkpoint, dtype, args.quantize, args.offload_dir)
     largest = 1024 if opts.budget == "auto" else opts.budget  # auto's largest tree
     context = None if args.chat else len(seq) + opts.max_new_tokens + largest + 1  # the KV cache
     loaded = [None, None]  # (target, draft) once loaded; the draft stays None with --draft none

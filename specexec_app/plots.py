@@ -9,13 +9,8 @@ from matplotlib.colors import ListedColormap, LogNorm
 from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
-STYLE = {
-    "axes.titlesize": 11,
-    "legend.fontsize": 9,
-    "legend.frameon": False,
-    "axes.spines.top": False,
-    "axes.spines.right": False,
-}
+STYLE = {"axes.titlesize": 11, "legend.fontsize": 9, "legend.frameon": False}
+STYLE |= {f"axes.spines.{side}": False for side in ("top", "right")}  # no box around a plot
 CENTRED = dict(ha="center", va="center")
 
 

@@ -17,8 +17,6 @@ import math
 from dataclasses import dataclass, field
 from itertools import accumulate
 
-WEIGHT = 0.3  # of the newest step in a running mean (the older ones fade by 1 - WEIGHT a step)
-
 
 @dataclass
 class FixedBudget:
@@ -92,8 +90,9 @@ def draft_threads(opts, draft):
 # ---- budget auto ----
 
 
-def running_mean(old, new, weight=WEIGHT):
-    """An exponential running mean: recent steps count most (costs drift as the context grows)."""
+def running_mean(old, new, weight=0.3):
+    """An exponential running mean: recent steps count most (costs drift as the context grows).
+    The newest step weighs `weight`; the older ones fade by 1 - weight a step."""
     return new if old is None else (1 - weight) * old + weight * new
 
 
@@ -156,7 +155,6 @@ class CostModel:
     first_depth: int = 4  # the first tree's: few passes of a draft not yet timed; deeper as it pays
     draft_share: float = 0.0  # a draft pass's cost in target passes, before any is timed (weights)
     why: str = ""  # for the summary: why it decoded plainly from the start
-    depth: int | None = None
     target_s: dict = field(default_factory=dict)  # tokens fed -> seconds of a target pass
     draft_s: float | None = None  # seconds of one draft pass (the first tree's: the prompt too)
     other_s: float = 0.0  # seconds of the rest of a step
@@ -356,26 +354,26 @@ class CostModel:
         if len(self.target_s) == 1 and self.STREAMED * self.draft_s > self.t_target(0):
             return 0, 0  # a second size: one token's pass, as plain decoding would run it
         rates = self.rates()
-        self.budget, self.depth = max(rates, key=rates.get)
+        budget, depth = max(rates, key=rates.get)
         look = max((choice for choice in rates if choice[0]), key=rates.get, default=None)
-        if not self.budget and look:  # after plain steps worth LOOK_EVERY looks, as many to come
+        if not budget and look:  # after plain steps worth LOOK_EVERY looks, as many to come
             wait = self.LOOK_EVERY * self.look_cost(look)  # the shortest wait before a look
             ahead = left * self.seconds((0, 0), 0)  # plain steps still to come
             if self.plain_s >= 2**self.looks * wait and ahead >= wait:
-                self.budget, self.depth = look  # the best tree step: look at the draft again
+                budget, depth = look  # the best tree step: look at the draft again
                 self.looks += 1
-        if not self.budget:
+        if not budget:
             return 0, 0
         # Deeper, while the best nodes reach the depth limit: as deep as 1 / LOOK_EVERY of the
         # step buys, or one depth every DEEPEN_EVERY tree steps
-        passes = self.gains[(self.budget, self.depth)][1]
-        spare = self.seconds((self.budget, self.depth), passes) / self.LOOK_EVERY
-        limit = min(self.budget, self.max_depth)  # b nodes are never deeper than b
-        deeper = [d for d in self.DEPTHS if self.depth < d < limit] + [limit] * (self.depth < limit)
-        cheap = [d for d in deeper if (d - self.depth) * self.draft_s <= spare]
-        if deeper and passes > self.depth - 1:
+        passes = self.gains[(budget, depth)][1]
+        spare = self.seconds((budget, depth), passes) / self.LOOK_EVERY
+        limit = min(budget, self.max_depth)  # b nodes are never deeper than b
+        deeper = [d for d in self.DEPTHS if depth < d < limit] + [limit] * (depth < limit)
+        cheap = [d for d in deeper if (d - depth) * self.draft_s <= spare]
+        if deeper and passes > depth - 1:
             if cheap:
-                return self.budget, cheap[-1]
+                return budget, cheap[-1]
             if self.tree_steps % self.DEEPEN_EVERY == 0:
-                return self.budget, deeper[0]
-        return self.budget, self.depth
+                return budget, deeper[0]
+        return budget, depth

@@ -295,16 +295,15 @@ def config_fault(config) -> str | None:
     then fails on deep in a pass, would otherwise read as a family we do not support."""
     fields = config.attribute_map  # the names a config answers to -> the field it stores
     experts = {fields.get(n, n) for n in ("num_local_experts", "num_experts", "n_routed_experts")}
-    for name in sorted(experts):
-        count = getattr(config, name, None)
-        if count is not None and (isinstance(count, bool) or not isinstance(count, int)):
+    for name in sorted(n for n in experts if getattr(config, n, None) is not None):  # those set
+        count, per_token = getattr(config, name), getattr(config, "num_experts_per_tok", None)
+        if isinstance(count, bool) or not isinstance(count, int):
             return f"{name} is {count!r}, not a count"
-        if count is not None and count < 1:
+        if count < 1:
             return f"{name} is {count}: a mixture of no experts"
-        per_token = getattr(config, "num_experts_per_tok", None)
-        if count is not None and isinstance(per_token, int) and per_token > count:
+        if isinstance(per_token, int) and per_token > count:
             return f"num_experts_per_tok is {per_token}, more than its {name} ({count})"
-        if count is not None and isinstance(per_token, int) and per_token < 1:
+        if isinstance(per_token, int) and per_token < 1:
             return f"num_experts_per_tok is {per_token}: no expert for a token"
     sliding = [kind for kind in getattr(config, "layer_types", None) or [] if "sliding" in kind]
     if sliding and getattr(config, "sliding_window", 0) is None:
