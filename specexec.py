@@ -42,7 +42,6 @@ import heapq
 import math
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 
 from specexec_tools import SpecExecError, check_call, check_finite, check_options
@@ -567,7 +566,6 @@ class Stats:
     new_tokens = property(lambda self: sum(self.emitted))
     tokens_per_step = property(lambda self: self.new_tokens / max(1, self.steps))
     tokens_per_second = property(lambda self: self.new_tokens / max(1e-9, self.time_total))
-    histogram = property(lambda self: dict(sorted(Counter(self.emitted).items())))  # k: steps
 
 
 if __name__ == "__main__":  # `python specexec.py`, its flags read above
