@@ -226,8 +226,9 @@ def lookup_chains(seq, longest, most=4):
     2 or 1 tokens of `seq` (the most found before) at their `most` latest occurrences, up to
     `longest` tokens; after a new token (a fix), what followed those before it, a token on."""
     for end, skip in ((len(seq), 0), (len(seq) - 1, 1)):  # the last token as found, as replaced
-        for n in (3, 2, 1):  # each start of the suffix before itself, the latest first
-            starts = [i for i in range(end - n - 1, -1, -1) if seq[i : i + n] == seq[end - n : end]]
+        for n in (3, 2, 1):
+            suffix = seq[end - n : end]  # each earlier start of it, the latest first:
+            starts = [i for i in range(end - n - 1, -1, -1) if seq[i : i + n] == suffix]
             if starts:
                 return [seq[i + n + skip : i + n + skip + longest] for i in starts[:most]]
     return []
