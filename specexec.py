@@ -222,8 +222,8 @@ def grow_tree(run, seq, budget, max_depth, width, branch):
 
 
 def lookup_chains(seq, longest, most=4):
-    """Prompt lookup, as text repeats itself (code, a rewrite, a list): what followed the last 3,
-    2 or 1 tokens of `seq` (the most found before) at their `most` latest occurrences, up to
+    """Prompt lookup, as text repeats itself (code, a rewrite, a list): what followed the longest
+    of the last 3, 2 or 1 tokens of `seq` found before, at its `most` latest occurrences, up to
     `longest` tokens; after a new token (a fix), what followed those before it, a token on."""
     for end, skip in ((len(seq), 0), (len(seq) - 1, 1)):  # the last token as found, as replaced
         for n in (3, 2, 1):
