@@ -32,10 +32,6 @@ Words of the paper -> names in the code:
 after each step, the target's KV cache holds `seq` without its last token (the root of the next
 tree), the draft's a prefix of that; a model is first fed the part of `seq` its cache lacks (the
 "trunk"); the entries before a tree are its prefix (`n_prefix`). `speculative_step` asserts it.
-
-Top-down, as a run goes: options, draft tree, mask, verification and acceptance, the step, the
-loop and the plain baseline, what a run did. Below this file, specexec_tools/ (checks, loading,
-budget "auto"); above it, specexec_app/ (the command line, the conversation).
 """
 
 import heapq
@@ -51,8 +47,7 @@ from specexec_tools import SpecExecError, check_call, check_finite, check_option
 
 @dataclass
 class Options:
-    """Generation options: one source of defaults for `generate`, `autoregressive` and the CLI
-    (its --help says more of each). Checked when made, and again when used."""
+    """Generation options: one source of defaults for the API and the CLI (--help says more)."""
 
     max_new_tokens: int = 128
     budget: int | str = "auto"  # nodes verified per step; "auto": specexec_tools/cost_model.py
@@ -250,14 +245,13 @@ def tree_mask(parents, n_prefix, dtype, device, window=None, n_new=None):
     new = slice(n - (n if n_new is None else n_new), n)  # the rows asked for
     parent = torch.tensor(parents, dtype=torch.long)  # (n,)
     sees = torch.eye(n, dtype=torch.bool)  # (n, n): sees[i, j] = j is i or an ancestor of i
-    depth = torch.zeros(n, dtype=torch.long)  # (n,): how many of the n tokens are ancestors
     # Walk every token up its chain of ancestors at once; the walk ends at the tree's depth.
     node = parent.clone()  # (n,): the ancestor each token reached so far
     while (climbing := (node >= 0).nonzero()[:, 0]).numel():  # (n_climbing,)
         sees[climbing, node[climbing]] = True
-        depth[climbing] += 1
         node[climbing] = parent[node[climbing]]
-    sees, positions = sees[new], n_prefix + depth  # (n_new, n), (n,)
+    positions = n_prefix + sees.sum(1) - 1  # (n,): one further per ancestor
+    sees = sees[new]  # (n_new, n)
     # Only the new rows become floats: a draft pass adds a few rows below a large tree.
     blocked = torch.full(sees.shape, torch.finfo(dtype).min, dtype=dtype)  # (n_new, n)
     prefix = torch.zeros(len(sees), n_prefix, dtype=dtype)  # (n_new, n_prefix): all visible
@@ -456,9 +450,8 @@ def speculative_step(run, seq, budget, max_depth):
 
 @dataclass
 class Run:
-    """One generation's state: models and caches, options, the random numbers of the picks, what
-    is found once (attention windows, the draft's threads), how often lookup's proposals were
-    taken when the target could take them (1 of 2 to start)."""
+    """One generation's state: models, caches, options, the picks' random numbers, what is found
+    once (attention windows, the draft's threads), how often lookup's proposals were taken."""
 
     target: object  # any causal LM with Hugging Face's call signature (offload.py's too)
     draft: object | None  # None: plain decoding, or lookup's trees alone
@@ -475,7 +468,7 @@ class Run:
         if self.draft is not None:
             self.draft_cache, self.draft_windows = DynamicCache(), attention_windows(self.draft)
             self.draft_threads = draft_threads(self.opts, self.draft)
-        self.lookup_taken, self.lookup_offered = 1, 2
+        self.lookup_taken, self.lookup_offered = 1, 2  # taken of offered: a half to start
 
 
 @torch.no_grad()
@@ -534,8 +527,7 @@ def autoregressive(model, input_ids, *, eos_token_id=None, on_tokens=None, opts=
 
 @dataclass
 class Stats:
-    """What a run did, step by step (a step: one target pass); worded by specexec_app/cli.py's
-    `summary`."""
+    """What a run did, step by step (a step: one target pass), as specexec_app/cli.py words it."""
 
     emitted: list = field(default_factory=list)  # tokens kept per step: accepted path + bonus
     budgets: list = field(default_factory=list)  # (budget, max_depth) each step was given
