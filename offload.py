@@ -226,7 +226,8 @@ def from_pretrained(
     ckpt, n_layers = opened.checkpoint, opened.config.num_hidden_layers
     dtype = models.as_dtype(dtype) or ckpt.dtype
     models.check_dtype_runs(ops.device, dtype)
-    hf = opened.skeleton(dtype)  # on meta: only the parts that stay on the device get bytes
+    # on meta: only the parts that stay on the device get bytes
+    hf = models.skeleton(opened.config, opened.folder, dtype)
     shapes = ckpt.check_layers(hf, quantize)  # what each decoder layer holds, the same for all
     sizes = slot_sizes(ckpt, shapes, n_layers, dtype, quantize, mode == "ssd" and not ops.staging)
     n_resident = 0

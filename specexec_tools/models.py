@@ -104,10 +104,6 @@ class Opened:
     generation_config: object | None  # its generation_config.json (EOS ids), where it has one
     checkpoint: Checkpoint  # where each tensor's bytes are; shapes checked against the config
 
-    def skeleton(self, dtype=None) -> torch.nn.Module:
-        """The model its config describes, on meta, in `dtype` (default: the checkpoint's)."""
-        return skeleton(self.config, self.folder, dtype or self.checkpoint.dtype)
-
 
 def open_model(name) -> Opened:
     """A model folder or hub id, opened and checked once, before any weight is read: a causal LM
@@ -437,9 +433,10 @@ def load(opened, device, dtype=None) -> torch.nn.Module:
     """The model in memory, on `device`, in `dtype` (None: the checkpoint's own), from a folder
     `open_model` checked (or a folder or hub id, opened here); offload.from_pretrained streams
     the same Opened instead."""
-    opened, dtype = open_model(opened), as_dtype(dtype)
-    model = opened.skeleton(dtype)
-    load_weights(opened, model, device, dtype or opened.checkpoint.dtype)
+    opened = open_model(opened)
+    dtype = as_dtype(dtype) or opened.checkpoint.dtype
+    model = skeleton(opened.config, opened.folder, dtype)
+    load_weights(opened, model, device, dtype)
     return model
 
 
