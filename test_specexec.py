@@ -1157,7 +1157,7 @@ def test_real_shapes_keep_their_options():
     moe = real_model("qwen3-moe").model.layers[0].mlp
     assert moe.experts.gate_up_proj.shape == (32, 2 * 16, 32) and moe.gate.top_k == 2
     for name in REAL_SHAPES:
-        assert models.context_length(real_model(name).config) == 128
+        assert real_model(name).config.max_position_embeddings == 128
 
 
 @pytest.mark.parametrize("name", REAL_SHAPES)
@@ -1337,7 +1337,7 @@ def test_sliding_layers_of_a_config_built_cache_drop_old_entries():
 def test_real_shapes_kept_caches_equal_a_fresh_forward(name):
     """After several steps each cache, run on by Hugging Face itself, gives a fresh forward."""
     target, draft = real_model(name), cut_draft(name)
-    limit = models.context_length(target.config)
+    limit = target.config.max_position_embeddings
     opts = specexec.Options(budget=24, max_depth=5, width=4, branch=3, seed=0)
     run, seq = specexec.Run(target, draft, opts, limit), [9, 8, 7, 6]
     with torch.no_grad():

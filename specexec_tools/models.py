@@ -131,7 +131,7 @@ def open_model(name) -> Opened:
         attention_windows(model)
     except SpecExecError as err:  # not supported, or config.json is broken
         raise OffloadError(f"{folder}: {err}") from None
-    check_count(config, "max_position_embeddings", folder)  # the context (context_length)
+    check_count(config, "max_position_embeddings", folder)  # the context (preflight's limit)
     checkpoint = Checkpoint(folder)
     checkpoint.name_as(model)  # a mixture's experts: stored one by one, stacked in the model
     check_weights(checkpoint, model)
@@ -366,12 +366,10 @@ def preflight(target, draft, input_ids, eos_token_id=None, tokenizers=None):
             f"the draft's vocabulary ({draft.config.vocab_size}) is larger than the target's "
             f"({target.config.vocab_size}); they must share a tokenizer"
         )
-    limit = min(context_length(model.config) for model in models.values())
+    # the context: the positions every model here can use
+    limit = min(model.config.max_position_embeddings for model in models.values())
     seq = None if input_ids is None else prompt_tokens(input_ids, limit, **models)
     return seq, limit, stop_tokens(eos_token_id, target, tokenizers[0] if tokenizers else None)
-
-
-context_length = lambda config: config.max_position_embeddings  # positions the model can use
 
 
 def prompt_tokens(input_ids, limit, **models):
