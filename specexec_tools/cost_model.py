@@ -9,8 +9,8 @@ over the tree and some bookkeeping, so auto takes the budget b and depth d that 
 Everything on the right is measured as the run goes: the loop (specexec.decode_loop) asks
 `choose` before each step and hands `update` what the step did (a specexec.Step), as it does
 with a fixed budget's policy. The cost model knows nothing of models: a tree is anything with
-`tokens`, `parents`, `cum_logprob` and `depth` (specexec.DraftTree); only `make_policy` and
-`draft_threads` look at the models' configs.
+`tokens`, `parents`, `cum_logprob`, `depth` and `looked_up` (specexec.DraftTree); only
+`make_policy` and `draft_threads` look at the models' configs.
 """
 
 import math
@@ -256,8 +256,8 @@ class CostModel:
         is a few hundred nodes, and each torch call costs microseconds (the tests hold this
         against a walk up from every node)."""
         cum, reach = tree.cum_logprob, self.reach(tree)  # the root first
-        looked_up = getattr(tree, "looked_up", ())  # lookup's nodes: no draft pass, any depth
-        depth = [0 if node in looked_up else d for node, d in enumerate(tree.depth)]
+        # lookup's nodes: no draft pass, at any depth
+        depth = [0 if node in tree.looked_up else d for node, d in enumerate(tree.depth)]
         best_first = sorted(range(1, len(cum)), key=cum.__getitem__, reverse=True)  # stable
         gains = {}
         for d in (d for d in self.DEPTHS if d <= max_depth):
