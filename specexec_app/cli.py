@@ -471,8 +471,7 @@ def handled(work):
         sys.exit(1)
     except OSError as error:  # mostly stdout that cannot be written (/dev/full, ulimit -f); the
         drop_stdout()  # inputs' file errors are SpecExecErrors, caught where they are read
-        where = error.filename or "cannot write the output"
-        fail(f"{where} ({error.strerror or error})")
+        fail(f"{error.filename or 'cannot write the output'} ({error.strerror or error})")
 
 
 def fail(message):
