@@ -327,10 +327,6 @@ class CostModel:
                 rates[(b, depth)] = scale * gain / self.seconds((b, depth), passes)
         return rates
 
-    def look_cost(self, look):
-        """The most a step of `look` can lose against a plain step: it gives the bonus at least."""
-        return self.seconds(look, self.gains[look][1]) - self.seconds((0, 0), 0)
-
     def choose(self, left=math.inf):
         """This step's (budget, depth), `left` tokens still to come; a tree's predicted (tokens,
         seconds) kept as its promise."""
@@ -357,9 +353,11 @@ class CostModel:
         budget, depth = max(rates, key=rates.get)
         look = max((choice for choice in rates if choice[0]), key=rates.get, default=None)
         if not budget and look:  # after plain steps worth LOOK_EVERY looks, as many to come
-            wait = self.LOOK_EVERY * self.look_cost(look)  # the shortest wait before a look
-            ahead = left * self.seconds((0, 0), 0)  # plain steps still to come
-            if self.plain_s >= 2**self.looks * wait and ahead >= wait:
+            plain = self.seconds((0, 0), 0)  # a plain step's
+            # The shortest wait before a look: LOOK_EVERY times the most a look can lose against
+            # a plain step (it gives the bonus at least)
+            wait = self.LOOK_EVERY * (self.seconds(look, self.gains[look][1]) - plain)
+            if self.plain_s >= 2**self.looks * wait and left * plain >= wait:
                 budget, depth = look  # the best tree step: look at the draft again
                 self.looks += 1
         if not budget:
