@@ -174,7 +174,7 @@ class CostModel:
     given: tuple = (0.0, 0.0)
     promised: tuple = (0.0, 0.0)
     promise: tuple | None = None  # this step's (tokens, seconds), if a tree's predicted ones
-    curve: tuple = field(default=(), init=False, repr=False)  # pass_curve's, and its target_s
+    curve: tuple = field(default=(), init=False, repr=False)  # t_target's memo, and its target_s
 
     BUDGETS = tuple(2**k for k in range(11))  # 1 .. 1024: the tree sizes auto considers
     DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -188,8 +188,16 @@ class CostModel:
         """Seconds of a target pass over n tokens: between two sizes run, on the line between
         them; outside, on the line through the nearest two (never below the nearest). A pass
         never costs more than a bigger one: a size measured in a busy moment counts as the
-        cheapest bigger size, so that one slow pass cannot rule its size out for good."""
-        sizes, cheapest, known = self.pass_curve()
+        cheapest bigger size, so that one slow pass cannot rule its size out for good.
+
+        The sizes run, ascending, the cheapest pass at each size or above, and the answers so far
+        are remembered until a pass is measured: `rates` asks for every candidate at every step,
+        and auto's own time is time plain decoding does not spend."""
+        if not self.curve or self.curve[3] != self.target_s:
+            sizes = sorted(self.target_s)  # the cheapest: a running minimum from the largest down
+            cheapest = [*accumulate((self.target_s[size] for size in reversed(sizes)), min)][::-1]
+            self.curve = sizes, cheapest, {}, dict(self.target_s)
+        sizes, cheapest, known, _ = self.curve
         if len(sizes) == 1:
             return cheapest[0]
         if n not in known:
@@ -198,16 +206,6 @@ class CostModel:
             seconds = t0 + (t1 - t0) / (n1 - n0) * (n - n0)
             known[n] = max(seconds, t1) if n > n1 else max(seconds, 0.0)
         return known[n]
-
-    def pass_curve(self):
-        """The sizes run, ascending, the cheapest pass at each size or above, and t_target's
-        answers so far (all remembered until a pass is measured: `rates` reads them for every
-        candidate at every step, and auto's own time is time plain decoding does not spend)."""
-        if not self.curve or self.curve[3] != self.target_s:
-            sizes = sorted(self.target_s)  # the cheapest: a running minimum from the largest down
-            cheapest = [*accumulate((self.target_s[size] for size in reversed(sizes)), min)][::-1]
-            self.curve = sizes, cheapest, {}, dict(self.target_s)
-        return self.curve[:3]
 
     def from_parts(self, budget, passes):
         """A step's seconds from its parts: draft passes, one target pass, the rest."""
