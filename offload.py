@@ -226,7 +226,8 @@ def from_pretrained(
     ckpt, n_layers = opened.checkpoint, opened.config.num_hidden_layers
     dtype = models.as_dtype(dtype) or ckpt.dtype
     models.check_dtype_runs(ops.device, dtype)
-    hf = opened.skeleton(dtype)  # on meta: only the parts that stay on the device get bytes
+    # on meta: only the parts that stay on the device get bytes
+    hf = models.skeleton(opened.config, opened.folder, dtype)
     shapes = ckpt.check_layers(hf, quantize)  # what each decoder layer holds, the same for all
     sizes = slot_sizes(ckpt, shapes, n_layers, dtype, quantize, mode == "ssd" and not ops.staging)
     n_resident = 0
@@ -264,8 +265,7 @@ def slot_sizes(ckpt, shapes: dict, n_layers: int, dtype, kind, straight: bool) -
     moved = pack(stored).nbytes  # ram, or ssd through staging: the tensors as pack lays them
     if straight:  # a copy is one file, its tensors end to end after a header in the first page
         moved = round_up(sum(t.nbytes for t in stored.values())) + PAGE
-        in_place = [{n: ckpt.entries.get(f"model.layers.{i}.{n}") for n in shapes}
-                    for i in range(n_layers)]  # fmt: skip
+        in_place = [files.entries_of(ckpt, i, shapes) for i in range(n_layers)]
         if kind is None and all(e for layer in in_place for e in layer.values()):
             moved = max([moved, *(plan_reads(layer)[0].nbytes for layer in in_place)])
     if kind is None:

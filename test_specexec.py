@@ -585,7 +585,7 @@ def test_cost_model_looks_at_the_draft_again_after_plain_steps_worth_many_lost_l
     cost.gains = {(8, 4): (3.0, 4)}  # a tree step: 4 draft passes + a pass over 9 = 0.9 s
     assert cost.choose() == (0, 0)  # 3 tokens in 0.9 s; plain decoding 1 in 0.01 s
     lost = 0.9 - 0.01  # the most a look can lose
-    assert cost.look_cost((8, 4)) == pytest.approx(lost)
+    assert cost.seconds((8, 4), 4) - cost.seconds((0, 0), 0) == pytest.approx(lost)
     cost.plain_s = cost.LOOK_EVERY * lost * 0.99
     assert cost.choose() == (0, 0)
     cost.plain_s = cost.LOOK_EVERY * lost * 1.01
@@ -1157,7 +1157,7 @@ def test_real_shapes_keep_their_options():
     moe = real_model("qwen3-moe").model.layers[0].mlp
     assert moe.experts.gate_up_proj.shape == (32, 2 * 16, 32) and moe.gate.top_k == 2
     for name in REAL_SHAPES:
-        assert models.context_length(real_model(name).config) == 128
+        assert real_model(name).config.max_position_embeddings == 128
 
 
 @pytest.mark.parametrize("name", REAL_SHAPES)
@@ -1337,7 +1337,7 @@ def test_sliding_layers_of_a_config_built_cache_drop_old_entries():
 def test_real_shapes_kept_caches_equal_a_fresh_forward(name):
     """After several steps each cache, run on by Hugging Face itself, gives a fresh forward."""
     target, draft = real_model(name), cut_draft(name)
-    limit = models.context_length(target.config)
+    limit = target.config.max_position_embeddings
     opts = specexec.Options(budget=24, max_depth=5, width=4, branch=3, seed=0)
     run, seq = specexec.Run(target, draft, opts, limit), [9, 8, 7, 6]
     with torch.no_grad():

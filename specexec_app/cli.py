@@ -341,10 +341,9 @@ def why_plain(stats):
     policy, plain = stats.policy, sum(1 for budget, _ in stats.budgets if not budget)
     if not getattr(policy, "gains", None) or 2 * plain < stats.steps:
         return None
+    # A tree's gains were seen, so (1, 1) is among the trees rated: every tree has a node at depth 1
     rates = policy.rates()
-    best = max((choice for choice in rates if choice[0]), key=rates.get, default=None)
-    if best is None:
-        return None
+    best = max((choice for choice in rates if choice[0]), key=rates.get)
     (budget, depth), (tokens, _) = best, policy.gains[best]
     return (
         f"(auto: its best tree here, {budget} nodes {depth} deep, would give {tokens:.2f} tokens "
@@ -472,8 +471,7 @@ def handled(work):
         sys.exit(1)
     except OSError as error:  # mostly stdout that cannot be written (/dev/full, ulimit -f); the
         drop_stdout()  # inputs' file errors are SpecExecErrors, caught where they are read
-        where = error.filename or "cannot write the output"
-        fail(f"{where} ({error.strerror or error})")
+        fail(f"{error.filename or 'cannot write the output'} ({error.strerror or error})")
 
 
 def fail(message):

@@ -114,11 +114,11 @@ def plot_mask(mask, positions, cached_tail, tree_tokens):
     """The mask's last len(cached_tail) cached columns and every tree row and column, one query
     row (the deepest node) coloured by why it may look at each key."""
     n_tree, shown, n_cached = len(tree_tokens), len(cached_tail), mask.shape[-1] - len(tree_tokens)
-    visible = (mask[0, 0, :, -(shown + n_tree) :] == 0).int()  # (n_tree, shown + n_tree)
+    image = (mask[0, 0, :, -(shown + n_tree) :] == 0).int()  # (n_tree, shown + n_tree)
     row = int(positions[0].argmax())  # the deepest node
-    image = visible.clone()  # 0 masked, 1 visible; the annotated row: 2 prefix, 3 ancestor, 4 self
+    # 0 masked, 1 visible; the annotated row: 2 prefix, 3 ancestor, 4 self
     image[row, :shown] = 2
-    image[row, shown:] = visible[row, shown:] * 3
+    image[row, shown:] *= 3
     image[row, shown + row] = 4
     colours = ["white", "0.6", "tab:blue", "tab:orange", "crimson"]
     fig, ax = plt.subplots(figsize=(9, 6.4), layout="constrained")

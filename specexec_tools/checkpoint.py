@@ -297,6 +297,11 @@ def check_weights(ckpt: Checkpoint, model: torch.nn.Module) -> None:
 # ---- the ssd tier's files: the checkpoint's own, or a converted copy with one file per layer ----
 
 
+# Where decoder layer i's tensors lie in the checkpoint's safetensors shards, by their names inside
+# the layer (`shapes`' keys): an Entry each, None for one not stored so (a .bin, stacked experts)
+entries_of = lambda ckpt, i, shapes: {n: ckpt.entries.get(f"model.layers.{i}.{n}") for n in shapes}
+
+
 def ssd_layers(
     ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, kind, offload_dir
 ) -> tuple[list[dict[str, Entry]], Path | None]:
@@ -313,8 +318,7 @@ def ssd_layers(
     """
     folder = copy_folder(ckpt, dtype, kind, offload_dir)  # "~/copies": in the home folder
     if folder is None:
-        names = [[f"model.layers.{i}.{n}" for n in shapes] for i in range(n_layers)]
-        return [dict(zip(shapes, map(ckpt.entries.get, layer))) for layer in names], None
+        return [entries_of(ckpt, i, shapes) for i in range(n_layers)], None
     manifest = {"source": str(ckpt.folder.resolve()), "layers": n_layers, "quantize": kind}
     manifest["dtype"] = str(dtype).removeprefix("torch.")
     files = [folder / f"layer_{i:03d}.safetensors" for i in range(n_layers)]

@@ -9,8 +9,8 @@ over the tree and some bookkeeping, so auto takes the budget b and depth d that 
 Everything on the right is measured as the run goes: the loop (specexec.decode_loop) asks
 `choose` before each step and hands `update` what the step did (a specexec.Step), as it does
 with a fixed budget's policy. The cost model knows nothing of models: a tree is anything with
-`tokens`, `parents`, `cum_logprob` and `depth` (specexec.DraftTree); only `make_policy` and
-`draft_threads` look at the models' configs.
+`tokens`, `parents`, `cum_logprob`, `depth` and `looked_up` (specexec.DraftTree); only
+`make_policy` and `draft_threads` look at the models' configs.
 """
 
 import math
@@ -174,7 +174,7 @@ class CostModel:
     given: tuple = (0.0, 0.0)
     promised: tuple = (0.0, 0.0)
     promise: tuple | None = None  # this step's (tokens, seconds), if a tree's predicted ones
-    curve: tuple = field(default=(), init=False, repr=False)  # pass_curve's, and its target_s
+    curve: tuple = field(default=(), init=False, repr=False)  # t_target's memo, and its target_s
 
     BUDGETS = tuple(2**k for k in range(11))  # 1 .. 1024: the tree sizes auto considers
     DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -188,8 +188,16 @@ class CostModel:
         """Seconds of a target pass over n tokens: between two sizes run, on the line between
         them; outside, on the line through the nearest two (never below the nearest). A pass
         never costs more than a bigger one: a size measured in a busy moment counts as the
-        cheapest bigger size, so that one slow pass cannot rule its size out for good."""
-        sizes, cheapest, known = self.pass_curve()
+        cheapest bigger size, so that one slow pass cannot rule its size out for good.
+
+        The sizes run, ascending, the cheapest pass at each size or above, and the answers so far
+        are remembered until a pass is measured: `rates` asks for every candidate at every step,
+        and auto's own time is time plain decoding does not spend."""
+        if not self.curve or self.curve[3] != self.target_s:
+            sizes = sorted(self.target_s)  # the cheapest: a running minimum from the largest down
+            cheapest = [*accumulate((self.target_s[size] for size in reversed(sizes)), min)][::-1]
+            self.curve = sizes, cheapest, {}, dict(self.target_s)
+        sizes, cheapest, known, _ = self.curve
         if len(sizes) == 1:
             return cheapest[0]
         if n not in known:
@@ -198,16 +206,6 @@ class CostModel:
             seconds = t0 + (t1 - t0) / (n1 - n0) * (n - n0)
             known[n] = max(seconds, t1) if n > n1 else max(seconds, 0.0)
         return known[n]
-
-    def pass_curve(self):
-        """The sizes run, ascending, the cheapest pass at each size or above, and t_target's
-        answers so far (all remembered until a pass is measured: `rates` reads them for every
-        candidate at every step, and auto's own time is time plain decoding does not spend)."""
-        if not self.curve or self.curve[3] != self.target_s:
-            sizes = sorted(self.target_s)  # the cheapest: a running minimum from the largest down
-            cheapest = [*accumulate((self.target_s[size] for size in reversed(sizes)), min)][::-1]
-            self.curve = sizes, cheapest, {}, dict(self.target_s)
-        return self.curve[:3]
 
     def from_parts(self, budget, passes):
         """A step's seconds from its parts: draft passes, one target pass, the rest."""
@@ -256,8 +254,8 @@ class CostModel:
         is a few hundred nodes, and each torch call costs microseconds (the tests hold this
         against a walk up from every node)."""
         cum, reach = tree.cum_logprob, self.reach(tree)  # the root first
-        looked_up = getattr(tree, "looked_up", ())  # lookup's nodes: no draft pass, any depth
-        depth = [0 if node in looked_up else d for node, d in enumerate(tree.depth)]
+        # lookup's nodes: no draft pass, at any depth
+        depth = [0 if node in tree.looked_up else d for node, d in enumerate(tree.depth)]
         best_first = sorted(range(1, len(cum)), key=cum.__getitem__, reverse=True)  # stable
         gains = {}
         for d in (d for d in self.DEPTHS if d <= max_depth):
@@ -327,10 +325,6 @@ class CostModel:
                 rates[(b, depth)] = scale * gain / self.seconds((b, depth), passes)
         return rates
 
-    def look_cost(self, look):
-        """The most a step of `look` can lose against a plain step: it gives the bonus at least."""
-        return self.seconds(look, self.gains[look][1]) - self.seconds((0, 0), 0)
-
     def choose(self, left=math.inf):
         """This step's (budget, depth), `left` tokens still to come; a tree's predicted (tokens,
         seconds) kept as its promise."""
@@ -357,9 +351,11 @@ class CostModel:
         budget, depth = max(rates, key=rates.get)
         look = max((choice for choice in rates if choice[0]), key=rates.get, default=None)
         if not budget and look:  # after plain steps worth LOOK_EVERY looks, as many to come
-            wait = self.LOOK_EVERY * self.look_cost(look)  # the shortest wait before a look
-            ahead = left * self.seconds((0, 0), 0)  # plain steps still to come
-            if self.plain_s >= 2**self.looks * wait and ahead >= wait:
+            plain = self.seconds((0, 0), 0)  # a plain step's
+            # The shortest wait before a look: LOOK_EVERY times the most a look can lose against
+            # a plain step (it gives the bonus at least)
+            wait = self.LOOK_EVERY * (self.seconds(look, self.gains[look][1]) - plain)
+            if self.plain_s >= 2**self.looks * wait and left * plain >= wait:
                 budget, depth = look  # the best tree step: look at the draft again
                 self.looks += 1
         if not budget:

@@ -104,10 +104,6 @@ class Opened:
     generation_config: object | None  # its generation_config.json (EOS ids), where it has one
     checkpoint: Checkpoint  # where each tensor's bytes are; shapes checked against the config
 
-    def skeleton(self, dtype=None) -> torch.nn.Module:
-        """The model its config describes, on meta, in `dtype` (default: the checkpoint's)."""
-        return skeleton(self.config, self.folder, dtype or self.checkpoint.dtype)
-
 
 def open_model(name) -> Opened:
     """A model folder or hub id, opened and checked once, before any weight is read: a causal LM
@@ -135,7 +131,7 @@ def open_model(name) -> Opened:
         attention_windows(model)
     except SpecExecError as err:  # not supported, or config.json is broken
         raise OffloadError(f"{folder}: {err}") from None
-    check_count(config, "max_position_embeddings", folder)  # the context (context_length)
+    check_count(config, "max_position_embeddings", folder)  # the context (preflight's limit)
     checkpoint = Checkpoint(folder)
     checkpoint.name_as(model)  # a mixture's experts: stored one by one, stacked in the model
     check_weights(checkpoint, model)
@@ -370,12 +366,10 @@ def preflight(target, draft, input_ids, eos_token_id=None, tokenizers=None):
             f"the draft's vocabulary ({draft.config.vocab_size}) is larger than the target's "
             f"({target.config.vocab_size}); they must share a tokenizer"
         )
-    limit = min(context_length(model.config) for model in models.values())
+    # the context: the positions every model here can use
+    limit = min(model.config.max_position_embeddings for model in models.values())
     seq = None if input_ids is None else prompt_tokens(input_ids, limit, **models)
     return seq, limit, stop_tokens(eos_token_id, target, tokenizers[0] if tokenizers else None)
-
-
-context_length = lambda config: config.max_position_embeddings  # positions the model can use
 
 
 def prompt_tokens(input_ids, limit, **models):
@@ -437,9 +431,10 @@ def load(opened, device, dtype=None) -> torch.nn.Module:
     """The model in memory, on `device`, in `dtype` (None: the checkpoint's own), from a folder
     `open_model` checked (or a folder or hub id, opened here); offload.from_pretrained streams
     the same Opened instead."""
-    opened, dtype = open_model(opened), as_dtype(dtype)
-    model = opened.skeleton(dtype)
-    load_weights(opened, model, device, dtype or opened.checkpoint.dtype)
+    opened = open_model(opened)
+    dtype = as_dtype(dtype) or opened.checkpoint.dtype
+    model = skeleton(opened.config, opened.folder, dtype)
+    load_weights(opened, model, device, dtype)
     return model
 
 
