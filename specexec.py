@@ -245,13 +245,14 @@ def tree_mask(parents, n_prefix, dtype, device, window=None, n_new=None):
     new = slice(n - (n if n_new is None else n_new), n)  # the rows asked for
     parent = torch.tensor(parents, dtype=torch.long)  # (n,)
     sees = torch.eye(n, dtype=torch.bool)  # (n, n): sees[i, j] = j is i or an ancestor of i
+    depth = torch.zeros(n, dtype=torch.long)  # (n,): how many of the n tokens are ancestors
     # Walk every token up its chain of ancestors at once; the walk ends at the tree's depth.
     node = parent.clone()  # (n,): the ancestor each token reached so far
     while (climbing := (node >= 0).nonzero()[:, 0]).numel():  # (n_climbing,)
         sees[climbing, node[climbing]] = True
+        depth[climbing] += 1
         node[climbing] = parent[node[climbing]]
-    positions = n_prefix + sees.sum(1) - 1  # (n,): one further per ancestor
-    sees = sees[new]  # (n_new, n)
+    sees, positions = sees[new], n_prefix + depth  # (n_new, n), (n,)
     # Only the new rows become floats: a draft pass adds a few rows below a large tree.
     blocked = torch.full(sees.shape, torch.finfo(dtype).min, dtype=dtype)  # (n_new, n)
     prefix = torch.zeros(len(sees), n_prefix, dtype=dtype)  # (n_new, n_prefix): all visible
@@ -412,9 +413,8 @@ def speculative_step(run, seq, budget, max_depth):
     start = time.perf_counter()
     with timed(run.draft.device if run.draft else "cpu", budget and run.draft_threads) as draft_s:
         tree = grow_tree(run, seq, budget, max_depth, run.opts.width, run.opts.branch)
-        proposed = set()  # lookup's nodes, ranked by how often its proposals were taken so far
-        if budget and run.opts.lookup:  # from the root, then on from the deepest best node (its
-            # path read as text): where the likeliest guess, the draft's or lookup's, stops
+        proposed = set()  # lookup's: from the root, then on from the deepest best node, its path
+        if budget and run.opts.lookup:  # read as text (where the likeliest guess stops)
             taken, deepest = math.log(run.lookup_taken / run.lookup_offered), run.limit - len(seq)
             proposed = tree.add_lookup(lookup_chains(seq, run.opts.lookup), taken, deepest)
             tip = max(tree.best(), key=lambda node: (tree.depth[node], -node), default=0)
