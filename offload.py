@@ -265,7 +265,7 @@ def slot_sizes(ckpt, shapes: dict, n_layers: int, dtype, kind, straight: bool) -
     moved = pack(stored).nbytes  # ram, or ssd through staging: the tensors as pack lays them
     if straight:  # a copy is one file, its tensors end to end after a header in the first page
         moved = round_up(sum(t.nbytes for t in stored.values())) + PAGE
-        in_place = [files.entries_of(ckpt, i, shapes) for i in range(n_layers)]
+        in_place = [ckpt.layer_entries(i, shapes) for i in range(n_layers)]
         if kind is None and all(e for layer in in_place for e in layer.values()):
             moved = max([moved, *(plan_reads(layer)[0].nbytes for layer in in_place)])
     if kind is None:

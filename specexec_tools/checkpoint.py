@@ -245,6 +245,11 @@ class Checkpoint:
     # Decoder layer i's tensors, by their names inside the layer (`shapes`' keys), stored dtypes
     layer = lambda self, i, shapes: {n: self.tensor(f"model.layers.{i}.{n}") for n in shapes}
 
+    def layer_entries(self, i, shapes) -> dict:
+        """Where the same tensors lie in the safetensors shards: an Entry each, None for one not
+        stored so (a .bin, stacked experts)."""
+        return {n: self.entries.get(f"model.layers.{i}.{n}") for n in shapes}
+
     def fingerprint(self) -> str:
         """Changes when the checkpoint's files do: an older offload folder is then not reused.
 
@@ -297,11 +302,6 @@ def check_weights(ckpt: Checkpoint, model: torch.nn.Module) -> None:
 # ---- the ssd tier's files: the checkpoint's own, or a converted copy with one file per layer ----
 
 
-# Where decoder layer i's tensors lie in the checkpoint's safetensors shards, by their names inside
-# the layer (`shapes`' keys): an Entry each, None for one not stored so (a .bin, stacked experts)
-entries_of = lambda ckpt, i, shapes: {n: ckpt.entries.get(f"model.layers.{i}.{n}") for n in shapes}
-
-
 def ssd_layers(
     ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, kind, offload_dir
 ) -> tuple[list[dict[str, Entry]], Path | None]:
@@ -318,7 +318,7 @@ def ssd_layers(
     """
     folder = copy_folder(ckpt, dtype, kind, offload_dir)  # "~/copies": in the home folder
     if folder is None:
-        return [entries_of(ckpt, i, shapes) for i in range(n_layers)], None
+        return [ckpt.layer_entries(i, shapes) for i in range(n_layers)], None
     manifest = {"source": str(ckpt.folder.resolve()), "layers": n_layers, "quantize": kind}
     manifest["dtype"] = str(dtype).removeprefix("torch.")
     files = [folder / f"layer_{i:03d}.safetensors" for i in range(n_layers)]
