@@ -74,6 +74,7 @@ if __name__ == "__main__":  # `python specexec.py`: its flags are read and check
 
 import torch  # noqa: E402  (after the options: --help and a bad flag need no torch)
 from torch.nn.attention import sdpa_kernel  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 from specexec_tools.cost_model import FixedBudget, draft_threads, make_policy  # noqa: E402
 from specexec_tools.models import ATTENTION_KERNELS, CACHE, attention_windows, preflight, timed  # noqa
@@ -110,10 +111,12 @@ class DraftTree:
         self.depth.append(self.depth[parent] + 1)
         return child
 
-    def add_children(self, nodes, logprobs, branch):
-        """Each node's `branch` most probable children (logprobs: (len(nodes), vocab), the
-        draft's at each node), as candidates and among the best nodes."""
-        check_finite(logprobs, "draft")
+    def add_children(self, nodes, logits, branch, temperature):
+        """One draft pass: each node's `branch` most probable children (logits: (len(nodes),
+        vocab), the draft's at each node), as candidates and among the best nodes."""
+        check_finite(logits, "draft")
+        logprobs = torch.log_softmax(logits.float() / temperature, -1)  # (len(nodes), vocab)
+        self.draft_passes += 1
         top = torch.topk(logprobs, min(branch, logprobs.shape[-1]))  # (len(nodes), branch) each
         for node, values, tokens in zip(nodes, top.values.tolist(), top.indices.tolist()):
             for logprob, token in zip(values, tokens):
@@ -135,12 +138,10 @@ class DraftTree:
     def pop_candidates(self, width):
         """Up to `width` candidates, best first, that may still give a best node: once there are
         `budget` best nodes, one below the worst of them never will, nor will its children."""
-        full = len(self.best_nodes) == self.budget
-        worst = self.rank(self.best_nodes[0][-1]) if full else None
+        full = len(self.best_nodes) == self.budget  # else any candidate may give a best node
+        worst = self.rank(self.best_nodes[0][-1]) if full else (math.inf,)
         batch = []
-        while self.candidates and len(batch) < width:
-            if full and self.candidates[0][0] >= worst:
-                break
+        while self.candidates and len(batch) < width and self.candidates[0][0] < worst:
             batch.append(heapq.heappop(self.candidates)[-1])
         return batch
 
@@ -199,8 +200,7 @@ def grow_tree(run, seq, budget, max_depth, width, branch):
     # The draft ranks the tree as the target samples, or sharpened where it is greedy: the
     # target follows the draft's top choice more often than its probability says.
     temperature = run.opts.draft_temperature or run.opts.temperature or 0.3
-    tree.draft_passes = 1
-    tree.add_children([0], torch.log_softmax(logits.float() / temperature, -1), branch)
+    tree.add_children([0], logits, branch, temperature)
 
     # Tree nodes at depth d sit at position len(seq) - 1 + d, which must fit the context.
     for _ in range(min(max_depth, run.limit - len(seq)) - 1):
@@ -209,10 +209,8 @@ def grow_tree(run, seq, budget, max_depth, width, branch):
             break
         parents = tree.local_parents(tree.fed + batch)  # the fed nodes are in the cache
         logits = tree_forward(draft, cache, windows, [tree.tokens[n] for n in batch], parents)
-        tree.draft_passes += 1
         tree.fed += batch
-        logprobs = torch.log_softmax(logits.float() / temperature, -1)  # (len(batch), vocab)
-        tree.add_children(batch, logprobs, branch)
+        tree.add_children(batch, logits, branch, temperature)
     return tree
 
 
@@ -254,9 +252,8 @@ def tree_mask(parents, n_prefix, dtype, device, window=None, n_new=None):
         node[climbing] = parent[node[climbing]]
     sees, positions = sees[new], n_prefix + depth  # (n_new, n), (n,)
     # Only the new rows become floats: a draft pass adds a few rows below a large tree.
-    blocked = torch.full(sees.shape, torch.finfo(dtype).min, dtype=dtype)  # (n_new, n)
-    prefix = torch.zeros(len(sees), n_prefix, dtype=dtype)  # (n_new, n_prefix): all visible
-    mask = torch.cat([prefix, blocked.masked_fill_(sees, 0.0)], -1)  # (n_new, n_prefix + n)
+    mask = torch.zeros(len(sees), n_prefix + n, dtype=dtype)  # (n_new, n_prefix + n)
+    mask[:, n_prefix:].masked_fill_(~sees, torch.finfo(dtype).min)  # the prefix: all visible
     if window is not None:
         key_positions = torch.cat([torch.arange(n_prefix), positions])  # (n_prefix + n,)
         too_far = positions[new, None] - key_positions[None, :] >= window  # (n_new, n_prefix + n)
@@ -459,8 +456,6 @@ class Run:
     limit: int  # positions both models can use (the shorter context)
 
     def __post_init__(self):
-        from transformers import DynamicCache
-
         self.seed = self.opts.seed if self.opts.seed is not None else torch.seed()
         self.rng = torch.Generator().manual_seed(self.seed)
         self.target_cache, self.target_windows = DynamicCache(), attention_windows(self.target)
@@ -477,26 +472,23 @@ def decode_loop(run, seq, policy, eos, on_tokens=None):
     """The loop of SpecExec and the baseline: ask the policy (a fixed budget, or auto's cost
     model) for a budget, step, tell it what the step did, until max_new_tokens, the context or
     an EOS. The caller checked the inputs (`generate` does)."""
-    stats, new_tokens = Stats(policy=policy, threads=torch.get_num_threads()), []
-    stats.seed = run.seed if run.opts.temperature > 0 else None  # the one that reproduces it
+    stats = Stats(policy=policy, seed=run.seed if run.opts.temperature > 0 else None)
+    n_prompt, end = len(seq), min(len(seq) + run.opts.max_new_tokens, run.limit)
     start = time.perf_counter()
-    while len(new_tokens) < run.opts.max_new_tokens and len(seq) < run.limit:
-        left = min(run.opts.max_new_tokens - len(new_tokens), run.limit - len(seq))
-        budget, max_depth = policy.choose(left)
+    while len(seq) < end:
+        budget, max_depth = policy.choose(end - len(seq))  # tokens still to come
         step = speculative_step(run, seq, budget, max_depth)
         policy.update(step)
-        # Cut at the token limit, the context, and just after the first EOS.
-        tokens = step.tokens[:left]
-        ends = [i for i, t in enumerate(tokens) if t in eos]
-        tokens = tokens[: ends[0] + 1] if ends else tokens
+        # Cut at the token limit or the context's end, and just after the first EOS.
+        eos_ends = [i + 1 for i, token in enumerate(step.tokens) if token in eos]
+        tokens = step.tokens[: min([end - len(seq), *eos_ends])]
         stats.add(step, len(tokens))
         seq += tokens
-        new_tokens += tokens
         if on_tokens is not None:
             on_tokens(tokens)
-        if ends:
+        if tokens[-1] in eos:
             break
-    stats.time_total = time.perf_counter() - start
+    stats.time_total, new_tokens = time.perf_counter() - start, seq[n_prompt:]
     stats.context_full = len(seq) >= run.limit and not (new_tokens and new_tokens[-1] in eos)
     return new_tokens, stats
 
@@ -506,8 +498,7 @@ def generate(target, draft, input_ids, *, eos_token_id=None, on_tokens=None, opt
 
     input_ids: ints or a LongTensor (1, n). draft: a model, or None (with `lookup`: its trees
     alone). opts: an `Options`, or its fields as keywords. eos_token_id: an int or a list (the
-    target's generation config's by default; [] = none). on_tokens(list) gets each step's tokens.
-    """
+    target's generation config's by default; [] = none). on_tokens(list): each step's tokens."""
     opts = check_call(opts, options, on_tokens, Options)
     seq, limit, eos = preflight(target, draft, input_ids, eos_token_id)
     run = Run(target, draft, opts, limit)
@@ -531,12 +522,9 @@ class Stats:
 
     emitted: list = field(default_factory=list)  # tokens kept per step: accepted path + bonus
     budgets: list = field(default_factory=list)  # (budget, max_depth) each step was given
-    tree_sizes: list = field(default_factory=list)  # nodes verified per step
     tree_depths: list = field(default_factory=list)  # how deep each step's verified tree went
     draft_passes: int = 0
-    looked_up: int = 0  # tokens emitted from lookup's nodes
     policy: object = None  # what sized the steps: FixedBudget, or auto's CostModel
-    threads: int = 0  # CPU threads of the target's passes
     seed: int | None = None  # sampling's: the run is reproduced with it
     context_full: bool = False  # it stopped because the context was full
     time_draft: float = 0.0
@@ -545,13 +533,10 @@ class Stats:
 
     def add(self, step, n_emitted):
         """One step, of which `n_emitted` tokens were kept (the rest lay past a stop)."""
-        nodes = step.tree.best()
         self.emitted.append(n_emitted)
         self.budgets.append((step.budget, step.max_depth))
-        self.tree_sizes.append(len(nodes))
-        self.tree_depths.append(max((step.tree.depth[node] for node in nodes), default=0))
+        self.tree_depths.append(max((step.tree.depth[n] for n in step.tree.best()), default=0))
         self.draft_passes += step.tree.draft_passes
-        self.looked_up += sum(node in step.tree.looked_up for node in step.path[:n_emitted])
         self.time_draft += step.draft_s
         self.time_target += step.target_s
 

@@ -12,6 +12,7 @@ import math
 import re
 import types
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -36,6 +37,25 @@ def fresh_logits(model, tokens):
     """Oracle: last-position logits of a plain forward over `tokens`, no cache, no tree."""
     with torch.no_grad():
         return model(torch.tensor([tokens])).logits[0, -1]  # (vocab,)
+
+
+def generate_steps(*args, **kwargs):
+    """specexec.generate's (tokens, Stats), and every Step its loop took (as its policy sees)."""
+    steps, step = [], specexec.speculative_step
+
+    def recorded(*args):
+        steps.append(step(*args))
+        return steps[-1]
+
+    with mock.patch.object(specexec, "speculative_step", recorded):
+        tokens, stats = specexec.generate(*args, **kwargs)
+    return tokens, stats, steps
+
+
+def looked_up(steps, stats):
+    """Tokens emitted from lookup's nodes (a step's path, up to what was kept of it)."""
+    kept = zip(steps, stats.emitted)
+    return sum(node in step.tree.looked_up for step, n in kept for node in step.path[:n])
 
 
 # ---- tree attention mask ----
@@ -234,12 +254,12 @@ def test_greedy_specexec_equals_greedy_target(
     options = dict(budget=budget, max_depth=max_depth, width=width, branch=branch)
     with torch.no_grad():
         expected, _ = specexec.autoregressive(target, prompt, max_new_tokens=max_new_tokens)
-        tokens, stats = specexec.generate(
+        tokens, stats, steps = generate_steps(
             target, draft, prompt, max_new_tokens=max_new_tokens, **options
         )
     assert tokens == expected
     assert stats.new_tokens == len(tokens) == sum(stats.emitted)
-    assert max(stats.tree_sizes) <= budget
+    assert max(len(step.tree.best()) for step in steps) <= budget
 
 
 def test_draft_equal_to_target_gains_more_tokens_per_step_with_budget():
@@ -963,15 +983,16 @@ def test_summary_says_what_a_step_is_and_counts_in_words():
     stats = specexec.Stats(emitted=[1], budgets=[(32, 8)], tree_depths=[8])
     stats.time_total, stats.draft_passes = 0.5, 8
     assert cli.summary(stats).startswith("1 token in 1 target pass (1.00 per pass), 2 tokens/s;")
+    threads = f"; threads {torch.get_num_threads()}"  # the target's passes'
     assert cli.summary(stats).endswith(
-        "; budget 32, trees up to 8 deep; 8.0 draft passes per target pass"
+        "; budget 32, trees up to 8 deep; 8.0 draft passes per target pass" + threads
     )
     stats = specexec.Stats(emitted=[2, 1, 2], budgets=[(4, 16), (0, 0), (4, 16)])
-    stats.tree_depths, stats.draft_passes, stats.threads = [3, 0, 2], 6, 1
+    stats.tree_depths, stats.draft_passes = [3, 0, 2], 6
     assert cli.summary(stats).startswith("5 tokens in 3 target passes (1.67 per pass)")
     assert cli.summary(stats).endswith(
         "; budget 4, trees up to 3 deep; plain decoding (no tree) in 1 step; "
-        "2.0 draft passes per target pass; threads 1"
+        "2.0 draft passes per target pass" + threads
     )
     plain = specexec.Stats(emitted=[1, 1], budgets=[(0, 0)] * 2, tree_depths=[0, 0])
     assert "budget" not in cli.summary(plain) and "plain decoding" not in cli.summary(plain)
@@ -1501,11 +1522,12 @@ def test_greedy_with_lookup_equals_greedy_target(
     options = dict(budget=budget, max_depth=4, width=8, branch=3, lookup=lookup)
     with torch.no_grad():
         expected, _ = specexec.autoregressive(target, prompt, max_new_tokens=max_new_tokens)
-        tokens, stats = specexec.generate(target, draft, prompt, max_new_tokens=max_new_tokens,
-                                          **options)  # fmt: skip
+        tokens, stats, steps = generate_steps(target, draft, prompt,
+                                              max_new_tokens=max_new_tokens, **options)  # fmt: skip
     assert tokens == expected
-    assert max(stats.tree_sizes) <= budget and stats.new_tokens == sum(stats.emitted)
-    assert 0 <= stats.looked_up <= stats.new_tokens - stats.steps + 1  # a bonus is no node
+    assert max(len(step.tree.best()) for step in steps) <= budget
+    assert stats.new_tokens == sum(stats.emitted)
+    assert 0 <= looked_up(steps, stats) <= stats.new_tokens - stats.steps + 1  # a bonus is no node
 
 
 @pytest.mark.parametrize("with_draft", [False, True])
@@ -1536,10 +1558,10 @@ def test_lookup_alone_copies_text_that_repeats():
     options = dict(max_new_tokens=48, eos_token_id=[], lookup=8)
     with torch.no_grad():
         expected, _ = specexec.autoregressive(target, ids, max_new_tokens=48, eos_token_id=[])
-        tokens, stats = specexec.generate(target, None, ids, budget=16, **options)
+        tokens, stats, steps = generate_steps(target, None, ids, budget=16, **options)
         auto, _ = specexec.generate(target, None, ids, **options)
     assert tokens == expected == auto
-    assert stats.tokens_per_step > 3 and stats.looked_up > 24 and stats.draft_passes == 0
+    assert stats.tokens_per_step > 3 and looked_up(steps, stats) > 24 and stats.draft_passes == 0
 
 
 @pytest.mark.parametrize("chains", ["wrong", "long"])
@@ -1559,20 +1581,20 @@ def test_adversarial_lookup_changes_nothing(chains, monkeypatch):
 
     monkeypatch.setattr(specexec, "lookup_chains", proposals)
     with torch.no_grad():
-        tokens, stats = specexec.generate(
+        tokens, stats, steps = generate_steps(
             target, None, prompt, max_new_tokens=30, budget=64, lookup=60
         )
     assert tokens == expected and len(tokens) == 64 - len(prompt)  # up to the context's end
     if chains == "wrong":
-        assert stats.looked_up == 0 and stats.tokens_per_step == 1
+        assert looked_up(steps, stats) == 0 and stats.tokens_per_step == 1
 
 
 def test_lookup_on_a_one_token_prompt_and_no_repeat_is_plain_decoding():
     target = tiny_model("llama", 0)
     with torch.no_grad():
         expected, _ = specexec.autoregressive(target, [9], max_new_tokens=1)
-        tokens, stats = specexec.generate(target, None, [9], max_new_tokens=1, budget=4, lookup=4)
-    assert tokens == expected and stats.tree_sizes == [0]
+        tokens, _, steps = generate_steps(target, None, [9], max_new_tokens=1, budget=4, lookup=4)
+    assert tokens == expected and [len(step.tree.best()) for step in steps] == [0]
 
 
 @settings(max_examples=30, **SETTINGS)

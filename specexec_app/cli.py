@@ -395,6 +395,8 @@ def converted_copy(model, remove):
 def summary(stats):
     """One line of what a run did (a specexec.Stats): what was made, per target pass and per
     second, where the time went, the trees it verified, and what reproduces it."""
+    import torch  # loaded by the run
+
     line = (
         f"{count(stats.new_tokens, 'token')} in {count(stats.steps, 'target pass')} "
         f"({stats.tokens_per_step:.2f} per pass), {stats.tokens_per_second:.3g} tokens/s; "
@@ -411,7 +413,7 @@ def summary(stats):
             line += f"; plain decoding (no tree) in {count(stats.steps - len(trees), 'step')}"
         line += f"; {stats.draft_passes / stats.steps:.1f} draft passes per target pass"
     line += f"; {stats.policy.why}" if getattr(stats.policy, "why", "") else ""
-    line += f"; threads {stats.threads}" if stats.threads else ""
+    line += f"; threads {torch.get_num_threads()}"  # the target's passes'
     line += f"; seed {stats.seed}" if stats.seed is not None else ""
     reused = getattr(stats, "reused", 0)  # a chat's turn
     line += f"; {count(reused, 'token')} reused from the caches" if reused else ""
