@@ -142,7 +142,9 @@ class CostModel:
     plain one: looking costs at most 1 / LOOK_EVERY of the time at first, and less as the run
     goes, however dear or wrong the draft (the target's own quantized copy costs what the target
     does). Nor does it look when the plain steps still to come would take less than that many
-    looks: a draft found good so late has no time left to pay for the look.
+    looks: a draft found good so late has no time left to pay for the look. The first look
+    comes at once after the first tree, whose draft passes were priced with the prompt read in
+    the first of them (several times a later pass's cost for a small draft in memory).
 
     Deeper. A deeper tree's gains are seen only by a tree searched that deep. While the best
     nodes reach the depth limit, the search goes as deep as 1 / LOOK_EVERY of the step buys in
@@ -355,7 +357,9 @@ class CostModel:
             # The shortest wait before a look: LOOK_EVERY times the most a look can lose against
             # a plain step (it gives the bonus at least)
             wait = self.LOOK_EVERY * (self.seconds(look, self.gains[look][1]) - plain)
-            if self.plain_s >= 2**self.looks * wait and left * plain >= wait:
+            # (after the first tree, at once: its draft passes were priced with the prompt's read)
+            waited = self.plain_s >= 2**self.looks * wait or self.tree_steps == 1
+            if waited and left * plain >= wait:
                 budget, depth = look  # the best tree step: look at the draft again
                 self.looks += 1
         if not budget:
