@@ -488,9 +488,9 @@ def decode_loop(run, seq, policy, eos, on_tokens=None):
             on_tokens(tokens)
         if tokens[-1] in eos:
             break
-    stats.time_total, new_tokens = time.perf_counter() - start, seq[n_prompt:]
-    stats.context_full = len(seq) >= run.limit and not (new_tokens and new_tokens[-1] in eos)
-    return new_tokens, stats
+    stats.time_total = time.perf_counter() - start
+    stats.context_full = len(seq) >= run.limit and not (len(seq) > n_prompt and seq[-1] in eos)
+    return seq[n_prompt:], stats
 
 
 def generate(target, draft, input_ids, *, eos_token_id=None, on_tokens=None, opts=None, **options):
