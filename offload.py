@@ -81,6 +81,7 @@ class OffloadedCausalLM(nn.Module):
         # what each layer moves; the ssd tier's copy (or None); int8 / int4 (or None)
         self.layouts, self.converted_folder, self.quantized = storage.layouts, converted, kind
         self.stats = PassStats(resident_layers=len(self.ring.resident))
+        self.pass_costs = {}  # tokens -> (seconds, seconds not waiting for weights): time_passes
 
     config = property(lambda self: self.hf.config)
     generation_config = property(lambda self: self.hf.generation_config)
@@ -97,9 +98,15 @@ class OffloadedCausalLM(nn.Module):
         started, ops = time.perf_counter(), self.ring.ops
         self.stats = PassStats(resident_layers=len(self.ring.resident))  # this pass's
         self.streamed.waits.clear()
+        # the link's idle time since the last pass: from its last load's landing to now (still
+        # loading, not yet issued: none)
+        last = self.ring.queue[-1].issued if self.ring.queue else None
+        landed = last.result() if last is not None and last.done() else None
+        idle_until = ops.record("copy")
         self.ring.start_pass()
         try:
             out = self.hf(input_ids.to(self.device), **kwargs)  # logits (batch, q, vocab)
+            self.ring.prefetch_first()  # the next pass's first layers load behind the draft
         finally:
             self.streamed.release()  # after an exception, the layer it left bound
             self.stats.bytes_moved = sum(self.layouts[i].nbytes for i, *_ in self.streamed.waits)
@@ -108,7 +115,18 @@ class OffloadedCausalLM(nn.Module):
         ops.host_wait(ops.record("compute"))
         self.stats.pass_s = time.perf_counter() - started
         self.stats.wait_s = sum(ops.seconds(*around) for _, *around in self.streamed.waits)
+        if landed is not None:
+            self.stats.link_idle_s = max(0.0, ops.seconds(landed, idle_until))
         return out
+
+    def time_passes(self, most=128) -> None:
+        """A pass over `most` tokens, then one (no cache), timed: what a pass costs here, and how
+        much of it is compute rather than waiting for weights: budget auto sizes its first tree
+        for them (cost_model.make_policy asks once per model, the CLI as it loads), as Sequoia
+        sizes its trees for the hardware before it runs. The one-token pass last, warm."""
+        for n in (min(most, self.config.max_position_embeddings), 1):
+            self(torch.zeros(1, n, dtype=torch.long))  # (1, n)
+            self.pass_costs[n] = self.stats.pass_s, self.stats.pass_s - self.stats.wait_s
 
     close = lambda self: self.finalizer()  # a second call does nothing
     __enter__, __exit__ = lambda self: self, lambda self, *exc: self.close()
@@ -122,6 +140,9 @@ class PassStats:
     bytes_moved: int = 0  # layer bytes that reached the device: the streamed layers'
     wait_s: float = 0.0  # seconds compute sat waiting for weights, on the device's clock
     pass_s: float = 0.0  # wall seconds of the whole pass, device work included
+    # seconds the link sat idle before the pass began: the next pass's first layers had landed
+    # while the draft still grew its tree (0: loads ran all along, or nothing was loading)
+    link_idle_s: float = 0.0
 
     gb_per_s = property(lambda self: self.bytes_moved / self.pass_s / 1e9 if self.pass_s else 0.0)
 
@@ -334,7 +355,12 @@ class LayerRing:
         """Keep what the last pass prefetched for its first layers, drop an interrupted pass's."""
         if self.queue and self.queue[0].layer != self.order[0]:
             self.drain()
-        for layer in self.order[: self.lookahead]:
+        self.prefetch_first()
+
+    def prefetch_first(self) -> None:
+        """The next pass's first layers, one per free slot. Issued as a pass ends, they load
+        while the draft grows the next tree: the link need not idle while the draft works."""
+        for layer in self.order[: len(self.slots)]:
             self.prefetch(layer)
 
     def prefetch(self, layer: int) -> None:
@@ -608,19 +634,64 @@ def page_aligned(nbytes: int, device: torch.device) -> torch.Tensor:
 
 class Cpu:
     """Each "stream" is the thread that issues its work (copy and dequant: the reader; compute: the
-    caller), run in order: an event is done once recorded, the time it was, and waits are free."""
+    caller), run in order: an event is done once recorded, the time it was, and waits are free.
+
+    `link_gb_per_s`: the paper's regime on any machine. Each copy into a slot then takes its bytes
+    over that bandwidth, on the reader thread, beside compute, as a GPU's copy stream moves a
+    layer from pinned RAM over PCIe: with mode="ram" and a link slow against the CPU's compute (a
+    70B model's 36 GB over PCIe against an H100's), a pass over a big tree costs about what a pass
+    over one token does. It shows the regime; it is not the speed of any real hardware."""
 
     # staging None: slots are host memory, where an ssd read lands directly. queues False: copies
     # run when issued, on the issuing thread (the reader's, beside compute)
     staging, queues, device, pinned_bytes = None, False, torch.device("cpu"), 0
-    # wait_event(stream, event), host_wait(event), free_host(buffer), close(): nothing to do
-    wait_event = host_wait = free_host = close = lambda self, *args: None
-    record = lambda self, stream: time.perf_counter()  # an event: when it was recorded
-    seconds = lambda self, start, end: end - start  # between two events, once both have passed
-    host_buffer = device_buffer = lambda self, nbytes: page_aligned(nbytes, torch.device("cpu"))
-    copy = lambda self, dst, src: dst.copy_(src)
-    # compute, and dequantizing (on its own stream after the copies it waits for): here, now
-    launch = convert = lambda self, fn, *args, **kwargs: fn(*args, **kwargs)
+    link_gb_per_s = None
+
+    def __init__(self, link_gb_per_s: float | None = None):
+        if link_gb_per_s is not None and not link_gb_per_s > 0:  # NaN fails too
+            raise OffloadError(f"link_gb_per_s must be a positive speed, not {link_gb_per_s!r}")
+        self.link_gb_per_s = link_gb_per_s
+
+    def record(self, stream: str) -> float:
+        """An event: the time it was recorded."""
+        return time.perf_counter()
+
+    def seconds(self, start: float, end: float) -> float:
+        """Seconds between two events, once both have passed."""
+        return end - start
+
+    def wait_event(self, stream: str, event) -> None:
+        """Work issued on `stream` from now waits for `event`: here, already passed."""
+
+    def host_wait(self, event) -> None:
+        """The host waits for `event`: here, already passed."""
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return page_aligned(nbytes, torch.device("cpu"))  # (nbytes,)
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        return page_aligned(nbytes, torch.device("cpu"))  # (nbytes,)
+
+    def free_host(self, buffer: torch.Tensor) -> None:
+        """Nothing pinned, nothing to give back."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        started = time.perf_counter()
+        dst.copy_(src)
+        if self.link_gb_per_s is not None:  # the rest of the time the bytes would take the link
+            link_s = dst.nbytes / (self.link_gb_per_s * 1e9)
+            time.sleep(max(0.0, started + link_s - time.perf_counter()))
+
+    def launch(self, fn, *args, **kwargs):
+        """Compute: run here, now."""
+        return fn(*args, **kwargs)
+
+    def convert(self, fn, *args) -> None:
+        """Dequantizing, on its own stream after the copies it waits for: here, now."""
+        fn(*args)
+
+    def close(self) -> None:
+        """No streams, nothing pinned."""
 
 
 class Cuda(Cpu):

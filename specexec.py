@@ -51,7 +51,7 @@ class Options:
 
     max_new_tokens: int = 128
     budget: int | str = "auto"  # nodes verified per step; "auto": specexec_tools/cost_model.py
-    max_depth: int = 16  # draft passes per step (auto: at most this)
+    max_depth: int = 16  # draft passes per step (auto: at most this; streamed target: twice)
     width: int = 32  # nodes expanded per draft pass
     branch: int = 8  # children kept per expanded node
     lookup: int = 32  # prompt lookup: the longest continuation copied into the tree (0: none)

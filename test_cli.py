@@ -361,6 +361,8 @@ def test_bad_options_fail_in_one_line(tmp_path):
         ([*pair, "--quantize", "int8"], "--quantize goes with --offload"),
         ([*pair, "--offload", "ram", "--quantize", "int3"], "invalid choice: 'int3'"),
         ([*pair, "--device-memory", "1"], "--device-memory goes with --offload"),
+        ([*pair, "--link", "0.01"], "--link goes with --offload ram"),
+        ([*pair, "--offload", "ram", "--link", "0"], "--link 0.0: a speed in GB/s, above 0"),
         ([*pair, "--offload", "ram", "--device-memory", "1e-6"], "leaving too little for 2"),
         ([*pair, "--device-memory", "nan"], "nan is not a finite number"),
         (["--target", good, "--draft", "int4", "--prompt", "w1"], "int4 quantizes groups of 64"),

@@ -1533,3 +1533,38 @@ def test_readme_table_of_families_is_what_the_tests_cover():
     shaped = {options["model_type"] for options in REAL_SHAPES.values()}
     configs = {make_config().model_type for make_config in CONFIGS.values()}
     assert listed == shaped == configs
+
+
+# ---- the paper's regime on any machine: a simulated link ----
+
+
+def test_a_simulated_link_makes_each_pass_the_links_and_loads_behind_the_draft(checkpoints):
+    """Cpu(link_gb_per_s): each streamed layer takes its bytes over that speed, on the reader
+    thread beside compute. A pass then costs the link's time whatever its tokens, the logits are
+    the in-memory model's, and the next pass's first layers, one per slot, load while
+    the host does other work (the draft growing its tree): after a pause, the pass is that many
+    layers shorter and the link's idle time is the rest of the pause."""
+    folder, oracle = checkpoints["llama"]
+    with offload.from_pretrained(folder, mode="ram", dtype=oracle.dtype) as plain:
+        layer_bytes = plain.layouts[0].nbytes
+    layer_s = 0.05
+    link = offload.Cpu(link_gb_per_s=layer_bytes / layer_s / 1e9)
+    n_layers, ids = oracle.config.num_hidden_layers, torch.tensor([[3, 1, 4, 1, 5]])
+    with offload.from_pretrained(folder, mode="ram", dtype=oracle.dtype, device=link) as model:
+        model.time_passes()  # as budget auto asks: 128 tokens, then one
+        assert set(model.pass_costs) == {1, 128}
+        for seconds, busy in model.pass_costs.values():
+            assert seconds >= 0.9 * n_layers * layer_s and busy < seconds / 2  # the link's
+        torch.testing.assert_close(model(ids).logits, oracle(ids).logits, rtol=0, atol=1e-6)
+        started = time.perf_counter()
+        model(ids)  # at once: its first layers were still loading
+        back_to_back = time.perf_counter() - started
+        assert back_to_back >= 0.9 * (n_layers - 1) * layer_s
+        time.sleep(4 * layer_s)  # the draft's turn: two layers, one per slot, load meanwhile
+        started = time.perf_counter()
+        model(ids)
+        after_a_pause = time.perf_counter() - started
+        assert after_a_pause <= (n_layers - 2 + 0.8) * layer_s  # the one layer not loaded yet
+        assert layer_s <= model.stats.link_idle_s <= 3 * layer_s  # of the pause: 4 layers
+    with pytest.raises(offload.OffloadError, match="link_gb_per_s must be a positive speed"):
+        offload.Cpu(link_gb_per_s=0)

@@ -1673,3 +1673,71 @@ def test_a_chat_with_lookup_alone_answers_as_a_fresh_run():
             answer, _ = chat.generate(conversation, eos_token_id=[])
             assert answer == specexec.autoregressive(target, conversation, max_new_tokens=12)[0]
             conversation = conversation + answer
+
+
+# ---- budget auto in the paper's regime: a streamed target whose pass is the link's ----
+
+
+class Streamed(types.SimpleNamespace):
+    """A stand-in for an offloaded target that, like a model, a weak reference can name."""
+
+    __hash__ = object.__hash__
+
+
+def timed_passes(link_s, compute_s):
+    """A streamed target's passes as timed (offload.py's `pass_costs`): over n tokens, the
+    link's `link_s` or the compute's `compute_s * n`, whichever is longer, and that compute."""
+    return {n: (max(link_s, compute_s * n), compute_s * n) for n in (128, 1)}
+
+
+@pytest.mark.parametrize(
+    "link_s, compute_s, first",
+    [
+        (2.0, 0.0005, (2048, 32)),  # a 2,049-token pass still costs the link's: the biggest tree
+        (2.0, 0.0015, (1024, 32)),  # past 1,024 tokens the compute outlasts the link: stop there
+        (1.0, 0.02, (32, 32)),  # compute-bound past 50 tokens (a CPU, a fast disk): a small tree
+    ],
+)
+def test_auto_sizes_its_first_tree_for_two_passes_it_timed(link_s, compute_s, first):
+    """Where the target streams, auto has it time two passes (once per model) and sizes its first
+    tree for them, searched twice the fixed budgets' depth (a draft pass is cheap beside such a
+    pass): the paper's regime gets its big deep tree from the first prompt's first step."""
+    stats = types.SimpleNamespace(wait_s=0.0)
+    config = types.SimpleNamespace(hidden_size=8, num_hidden_layers=2, vocab_size=64)
+    target = Streamed(streams=True, config=config, stats=stats, pass_costs={}, timed=0)
+
+    def time_passes():  # as offload.py's: two passes timed, once per model
+        target.timed += 1
+        target.pass_costs.update(timed_passes(link_s, compute_s))
+
+    target.time_passes = time_passes
+    policy = cost_model.make_policy(specexec.Options(max_depth=16), target, target)
+    assert target.timed == 1 and policy.max_depth == 32 and policy.choose() == first
+    # past the largest size timed, a pass costs the longer of the link's and its compute
+    assert policy.t_target(4097) == pytest.approx(max(link_s, compute_s * 128, compute_s * 4097))
+    # and what auto learns stays with the pair: the next generate's policy is the same one
+    assert cost_model.make_policy(specexec.Options(max_depth=16), target, target) is policy
+    assert target.timed == 1
+
+
+def test_auto_in_the_papers_regime_stays_deep_and_near_the_best_tree():
+    """Simulated steps of a link-bound target (2 s a pass up to 2,048 tokens) and a cheap draft
+    the target follows 20 deep: auto starts with the big deep tree and keeps trees that deep, so
+    that its tokens per second reach 0.9 of always running the best tree."""
+    link_s, compute_s, draft_s, followed = 2.0, 0.0005, 0.01, 20
+    stats = types.SimpleNamespace(wait_s=0.0)
+
+    def pass_s(n):  # the seconds of a pass over n tokens; its wait for weights, as offload.py's
+        stats.wait_s = max(0.0, link_s - compute_s * n)
+        return max(link_s, compute_s * n)
+
+    cost = CostModel(
+        max_depth=32, budget=32, first_depth=4, target=types.SimpleNamespace(stats=stats)
+    )
+    costs = timed_passes(link_s, compute_s)
+    cost.target_s = {n: seconds for n, (seconds, _) in costs.items()}
+    cost.busy_s = {n: busy for n, (_, busy) in costs.items()}
+    choices, speed = simulate(cost, 128, followed, draft_s, pass_s)
+    assert choices[0] == (2048, 32) and all(depth >= 24 for _, depth in choices)
+    best = (followed + 1) * pass_s(1) / (32 * draft_s + pass_s(2049))  # every step the best tree
+    assert speed >= 0.9 * best

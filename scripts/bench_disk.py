@@ -6,6 +6,8 @@
     python -m scripts.bench_disk --target SmolLM2-135M-Instruct --layers 0 --draft-layers 8 \\
         --budgets 4,16,64,auto --draft-threads 0   # a weak real pair: a model, its first layers
     python -m scripts.bench_disk --device cuda --offload ram   # a GPU, the layers in pinned RAM
+    python -m scripts.bench_disk --layers 0 --offload ram --link 0.01 --skip-peers \
+        --budgets 64,256,1024,auto --depths 16,32 --tokens 64   # the paper's regime, simulated
 
 The default target (12 MB) is grown into one big enough that reading it from disk dominates a
 pass, that still says what the trained target says (`grow_target`); `--layers 0` streams the
@@ -35,7 +37,7 @@ import offload
 import specexec
 from scripts import common
 from scripts.common import option
-from specexec_tools import models
+from specexec_tools import cost_model, models
 
 
 @dataclass
@@ -53,6 +55,9 @@ class DiskBenchConfig:
     tokens: int = option(48, "new tokens per prompt")
     budgets: str = option("1,4,8,16,32,64,128,256,auto", "SpecExec budgets, comma-separated")
     max_depth: int = option(specexec.Options.max_depth, "draft passes per step, at most")
+    depths: str = option("", "comma-separated: each fixed budget at each of these depths instead")
+    link: float | None = option(None, "with --offload ram on cpu: a simulated link, GB/s")
+    buffers: int = option(2, "the ring's device slots")
     draft_threads: int = option(specexec.Options.draft_threads, "threads of the draft's passes")
     device: str = option("cpu", "where the target computes and the draft lives: cpu, cuda")
     offload: str = option("ssd", "the target's layers read each pass from: ssd, or ram (cuda)")
@@ -168,7 +173,9 @@ def run(cfg, folder):
         grow_target(cfg.target, folder, cfg.layers, cfg.intermediate)
         print(f"grew {cfg.target} into {folder}")
     device, float32 = torch.device(cfg.device), torch.float32
-    streamed = dict(mode=cfg.offload, device=device, dtype=float32, offload_dir=common.COPIES)
+    ops = offload.Cpu(cfg.link) if cfg.link else device
+    streamed = dict(mode=cfg.offload, device=ops, dtype=float32, offload_dir=common.COPIES)
+    streamed |= dict(buffers=cfg.buffers)
     target = offload.from_pretrained(folder, **streamed)
     read_before, nbytes = common.read_alone(target)
     if cfg.draft_layers:  # a truncated copy of the target, in memory
@@ -192,10 +199,11 @@ def run(cfg, folder):
     def plain(i, ids, n=cfg.tokens):
         return specexec.autoregressive(target, ids, max_new_tokens=n, eos_token_id=eos)
 
-    def speculative(budget, lookup=0, with_draft=True):
+    def speculative(budget, lookup=0, with_draft=True, depth=cfg.max_depth):
         def decode(i, ids, n=cfg.tokens):
+            cost_model.LEARNED.clear()  # auto starts each prompt as a fresh process would
             return specexec.generate(target, draft if with_draft else None, ids, max_new_tokens=n,
-                                     budget=budget, max_depth=cfg.max_depth, lookup=lookup,
+                                     budget=budget, max_depth=depth, lookup=lookup,
                                      eos_token_id=eos, draft_threads=cfg.draft_threads)  # fmt: skip
 
         return decode
@@ -214,7 +222,11 @@ def run(cfg, folder):
     peers = [] if peer is None else [("plain", None), ("assisted", draft)]
     name = "accelerate disk offload" if cfg.offload == "ssd" else "accelerate cpu offload"
     methods += [(row(f"{name}, {how}"), accelerate(a)) for how, a in peers]
-    methods += [(row("SpecExec", b), speculative(b)) for b in common.budgets(cfg.budgets)]
+    depths = [int(d) for d in cfg.depths.split(",")] if cfg.depths else [cfg.max_depth]
+    for b in common.budgets(cfg.budgets):
+        for d in depths if b != "auto" else [cfg.max_depth]:
+            name = f"SpecExec, depth {d}" if cfg.depths and b != "auto" else "SpecExec"
+            methods.append((row(name, b), speculative(b, depth=d)))
     if cfg.lookup:
         for method, with_draft in (("SpecExec + lookup", True), ("lookup alone", False)):
             methods += [(row(method, b), speculative(b, cfg.lookup, with_draft))
@@ -226,6 +238,12 @@ def run(cfg, folder):
         read_after, _ = common.read_alone(target)  # a shared disk's speed drifts
     read_s = (read_before + read_after) / 2
     common.print_table(rows)
+    for r in rows:  # the link's idle time between passes, against the drafting it could hide
+        if r.draft_s and cfg.offload == "ram":
+            print(
+                f"{r.label}: the link idle {r.link_idle_s:.2f} s of {r.draft_s:.2f} s drafting "
+                f"({1 - r.link_idle_s / r.draft_s:.0%} of the drafting behind loads)"
+            )
     how = "O_DIRECT reads" if cfg.offload == "ssd" else "copies from pinned RAM"
     print(f"\n{cfg.offload}, the offloader's transfers of the {nbytes / 1e9:.2f} GB of layers "
           f"with nothing computing ({how}): {read_before:.2f} s before the rows, {read_after:.2f}"

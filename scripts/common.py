@@ -111,8 +111,22 @@ class Meter:
 
     def __init__(self, *models):
         self.passes, self.seconds = 0, 0.0
+        self.idle_s = 0.0  # an offloaded model's: seconds its link sat idle before its passes
         for model in models:
             model.forward = self.metered(model.forward, torch.device(model.device))
+            if hasattr(model, "stats"):  # offload.py's
+                model.forward = self.idling(model.forward, model)
+
+    def idling(self, forward, model):
+        @functools.wraps(forward)
+        def idling(*args, **kwargs):
+            cache = kwargs.get("past_key_values")  # a run's first pass: idle since another run
+            later = cache is not None and cache.get_seq_length() > 0
+            out = forward(*args, **kwargs)
+            self.idle_s += model.stats.link_idle_s if later else 0.0
+            return out
+
+        return idling
 
     def metered(self, forward, device):
         sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
@@ -144,6 +158,7 @@ class Row:
     seconds: float = 0.0
     draft_s: float = 0.0  # inside the draft's forward
     target_s: float = 0.0  # inside the target's forward
+    link_idle_s: float = 0.0  # an offloaded target's link, idle before its passes
     exact: str = ""
     chosen: list = field(default_factory=list)  # budget auto: each step's (budget, depth)
 
@@ -168,6 +183,7 @@ def measure_interleaved(methods, prompt_ids, meters, progress):
         started, turn = time.perf_counter(), i % len(methods)
         for row, decode in methods[turn:] + methods[:turn]:
             before = [(m.passes, m.seconds) for m in meters]
+            idle = meters[0].idle_s
             start = time.perf_counter()
             tokens, stats = decode(i, ids)
             row.seconds += time.perf_counter() - start
@@ -180,6 +196,7 @@ def measure_interleaved(methods, prompt_ids, meters, progress):
             row.draft_passes += sum(p for p, _ in drafting)
             row.draft_s += sum(s for _, s in drafting)
             row.chosen += stats.budgets if stats is not None else []
+            row.link_idle_s += meters[0].idle_s - idle
         print(f"bench [{progress}]: prompt {i + 1} of {len(prompt_ids)}, every row: "
               f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)  # fmt: skip
     reference = methods[0][0]

@@ -30,7 +30,8 @@ HELP = dict(
     max_new_tokens="stop after this many new tokens",
     budget='draft tree size: nodes verified per step; "auto": the size and depth with the most '
     "tokens/s, chosen as it runs (specexec_tools/cost_model.py)",
-    max_depth="max tree depth = draft passes per step (auto: at most this)",
+    max_depth="max tree depth = draft passes per step (auto: at most this; twice that where "
+    "the target streams its weights, a pass being dear)",
     width="beam width: nodes expanded per draft pass",
     branch="children kept per expanded node",
     lookup="prompt lookup: copy up to N tokens that followed the last tokens where they occurred "
@@ -105,6 +106,9 @@ def parse_args(argv=None):
     add("--threads", type=positive, metavar="N", help="CPU threads of the target's passes "
         "(default: one per core that other programs leave free)")
     add("--offload", choices=("ram", "ssd"), help="stream the target's layers from RAM or disk")
+    add("--link", type=finite, metavar="GB/S", help="with --offload ram on the CPU: each "
+        "streamed layer crosses a simulated link of this speed, beside compute, as layers cross "
+        "PCIe to a GPU (the paper's regime on any machine, e.g. 0.01; not real hardware's speed)")
     add("--offload-dir", type=Path, default=Path("~/.cache/specexec/offload"), metavar="DIR",
         help="where ssd writes a per-layer copy when the checkpoint cannot be read in place "
         "(another --dtype than the checkpoint's); default: %(default)s")
@@ -114,7 +118,7 @@ def parse_args(argv=None):
         "into --offload-dir once)")
     add("--device-memory", type=finite, metavar="GB", help="with --offload: device memory the "
         "target may hold; after its embeddings, head, KV cache (the prompt, the new tokens and "
-        "the largest tree: 1024 nodes with budget auto) and ring, as many layers as fit stay "
+        "the largest tree: 2048 nodes with budget auto) and ring, as many layers as fit stay "
         "resident and are never streamed")
     add = parser.add_argument_group("generation (defaults: specexec.Options)").add_argument
     for f in fields(specexec.Options):  # one source of defaults for the API and the CLI
@@ -147,6 +151,9 @@ def check_flags(args):
          "--offload-clean goes with --offload ssd (only ssd writes a copy)"),
         (args.quantize and not args.offload,
          "--quantize goes with --offload (it quantizes the streamed layers)"),
+        (args.link is not None and args.offload != "ram",
+         "--link goes with --offload ram (it simulates the link a streamed layer crosses)"),
+        (args.link is not None and args.link <= 0, f"--link {args.link}: a speed in GB/s, above 0"),
         (args.device_memory is not None and not args.offload,
          "--device-memory goes with --offload (it keeps streamed layers)"),
         ((args.device_memory or 0) < 0, f"--device-memory {args.device_memory}: a size in GB, "
@@ -226,9 +233,11 @@ def run(args):
 
     import offload
     from specexec_app import chat
-    from specexec_tools import checkpoint, models
+    from specexec_tools import checkpoint, cost_model, models
 
     opts, device = args.opts, pick_device(args.device)
+    if args.link is not None and device.type != "cpu":
+        raise SpecExecError(f"--link simulates a link on the CPU, not {device}: add --device cpu")
     torch.set_num_threads(args.threads or free_cores())
     if not args.verbose:  # no per-tensor progress bars and load reports
         transformers_logging.disable_progress_bar()
@@ -251,14 +260,15 @@ def run(args):
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else dtype  # None: the checkpoint's
     if args.offload_clean:  # a copy it could not remove: refused now, not after the run
         checkpoint.check_removable(target.checkpoint, dtype, args.quantize, args.offload_dir)
-    largest = 1024 if opts.budget == "auto" else opts.budget  # auto's largest tree
+    largest = cost_model.CostModel.BUDGETS[-1] if opts.budget == "auto" else opts.budget
     context = None if args.chat else len(seq) + opts.max_new_tokens + largest + 1  # the KV cache
     loaded = [None, None]  # (target, draft) once loaded; the draft stays None with --draft none
     try:
         if args.offload:
             memory = None if args.device_memory is None else args.device_memory * 1e9
             loaded[0] = offload.from_pretrained(
-                target, mode=args.offload, device=device, dtype=dtype, quantize=args.quantize,
+                target, mode=args.offload, device=offload.Cpu(args.link) if args.link else device,
+                dtype=dtype, quantize=args.quantize,
                 offload_dir=args.offload_dir.expanduser(), device_memory=memory, context=context,
             )  # fmt: skip
         else:
@@ -306,6 +316,9 @@ def report(target, draft, tokenizer, seq, limit, eos, args, device):
     if args.offload:
         layers = target.config.num_hidden_layers
         print(dim(f"offload ({args.offload}): {target.stats.summary(layers)}"))
+        passes = [f"{count(n, 'token')} {s:.2f}s" for n, (s, _) in target.pass_costs.items()]
+        if passes:  # budget auto's: what its first tree was sized for
+            print(dim(f"budget auto timed two passes before its first tree: {', '.join(passes)}"))
     if not args.compare:
         return
     # plain decoding can take minutes: on a terminal, a line says how far it is (nothing in a pipe)

@@ -14,7 +14,8 @@ with a fixed budget's policy. The cost model knows nothing of models: a tree is 
 """
 
 import math
-from dataclasses import dataclass, field
+import weakref
+from dataclasses import astuple, dataclass, field, replace
 from itertools import accumulate
 
 
@@ -35,9 +36,14 @@ class FixedBudget:
         pass
 
 
+# What auto learned of a pair with a streamed target (offload.py), kept from one `generate` to the
+# next in one process, as a conversation keeps it: target -> {(draft's id, options): model}
+LEARNED = weakref.WeakKeyDictionary()
+
+
 def make_policy(opts, target, draft):
     """The policy `opts.budget` names: a fixed budget, or "auto"; with no draft nor lookup, plain
-    decoding.
+    decoding. Auto's cost model is the one the pair had last, with the same options, if any.
 
     Auto decodes plainly from the first step where no tree can pay, which it would otherwise
     learn only from a first tree: the draft is an int8 / int4 model at least the target's size
@@ -52,12 +58,30 @@ def make_policy(opts, target, draft):
     if quantized and weights(draft) >= weights(target) and not streamed:
         why = f"its {quantized} draft is the target's size and costs what the target does"
         return FixedBudget(0, 0, why=f"auto decoded plainly: {why} (no tree can pay)")
+    learned = {}  # kept only where the target streams: there each step of learning is dear
+    if streamed and hasattr(target, "stats"):
+        learned = LEARNED.setdefault(target, {})
+    key = id(draft), astuple(replace(opts, max_new_tokens=0, seed=None))
+    if key in learned and learned[key][0] is draft:
+        return learned[key][1]
     # The first tree, chosen before anything is measured: where the target streams its weights,
     # as big as a pass carries for about the cost of one token's; where they stay put, a small
     # one, since there a tree's pass costs compute, and the draft must read the prompt too
     first = dict(budget=32, first_depth=4) if streamed else dict(budget=8, first_depth=2)
     share = 0.0 if streamed or draft is None else weights(draft) / weights(target)
-    return CostModel(max_depth=opts.max_depth, draft_share=share, **first)
+    # Where the target streams, a pass is dear: trees twice as deep. Two of its passes timed
+    # (offload.py's `time_passes`, once per model: tokens -> seconds, and those not waiting for
+    # weights) are auto's first measurements: its first tree is sized for them.
+    max_depth = 2 * opts.max_depth if streamed else opts.max_depth
+    if streamed and hasattr(target, "time_passes") and not target.pass_costs:
+        target.time_passes()
+    costs = getattr(target, "pass_costs", {}) if streamed else {}
+    timed = target if streamed and hasattr(target, "stats") else None  # offload.py's
+    policy = CostModel(max_depth=max_depth, draft_share=share, **first, target=timed)
+    policy.target_s = {n: seconds for n, (seconds, _) in costs.items()}
+    policy.busy_s = {n: busy for n, (_, busy) in costs.items()}
+    learned[key] = draft, policy
+    return policy
 
 
 def streams(model):
@@ -127,6 +151,14 @@ class CostModel:
     (`rate_scale`): a draft whose trees give ~1 token is dropped within a few steps, and trees
     that only beat plain decoding on paper stop running.
 
+    Timed first. An offloaded target (offload.py) times a pass over 128 tokens and one over one
+    when auto first meets it (the CLI: as it loads), with the seconds of each not spent waiting
+    for weights (its compute): auto starts from them. Its first tree is sized for that curve
+    (`first_tree`), and past the largest size run a pass costs the longer of the link's time
+    and its compute grown with its tokens: where a pass is the link's (the paper's regime), the
+    first tree is already the big deep one, and auto stops growing trees where their compute
+    would outlast the link.
+
     The second size. After the first step, one size is measured: the prompt's pass with the
     first tree. Where the target streams its weights, a pass costs their transfer, more than
     `STREAMED` draft passes, and bigger trees cost about as much: the first tree stays until
@@ -158,6 +190,9 @@ class CostModel:
     draft_share: float = 0.0  # a draft pass's cost in target passes, before any is timed (weights)
     why: str = ""  # for the summary: why it decoded plainly from the start
     target_s: dict = field(default_factory=dict)  # tokens fed -> seconds of a target pass
+    # tokens fed -> seconds of it not spent waiting for weights (a streamed target's: its compute)
+    busy_s: dict = field(default_factory=dict)
+    target: object = None  # a streamed target (offload.py): `stats.wait_s`, its last pass's wait
     draft_s: float | None = None  # seconds of one draft pass (the first tree's: the prompt too)
     other_s: float = 0.0  # seconds of the rest of a step
     step_s: dict = field(default_factory=dict)  # (budget, depth) run -> seconds of its steps
@@ -178,7 +213,7 @@ class CostModel:
     promise: tuple | None = None  # this step's (tokens, seconds), if a tree's predicted ones
     curve: tuple = field(default=(), init=False, repr=False)  # t_target's memo, and its target_s
 
-    BUDGETS = tuple(2**k for k in range(11))  # 1 .. 1024: the tree sizes auto considers
+    BUDGETS = tuple(2**k for k in range(12))  # 1 .. 2048: the tree sizes auto considers
     DEPTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
     # PRIOR_TOKENS: rate_scale starts at 1 as if two tokens had come as promised. STREAMED: draft
     # passes a target pass outlasts when the target streams its weights
@@ -188,7 +223,9 @@ class CostModel:
 
     def t_target(self, n):
         """Seconds of a target pass over n tokens: between two sizes run, on the line between
-        them; outside, on the line through the nearest two (never below the nearest). A pass
+        them; outside, on the line through the nearest two (never below the nearest), or past
+        the largest size of a streamed target, the longer of that pass and its compute grown
+        in proportion to the tokens (`busy_s`: a link's time does not grow, compute does). A pass
         never costs more than a bigger one: a size measured in a busy moment counts as the
         cheapest bigger size, so that one slow pass cannot rule its size out for good.
 
@@ -200,14 +237,22 @@ class CostModel:
             cheapest = [*accumulate((self.target_s[size] for size in reversed(sizes)), min)][::-1]
             self.curve = sizes, cheapest, {}, dict(self.target_s)
         sizes, cheapest, known, _ = self.curve
-        if len(sizes) == 1:
-            return cheapest[0]
-        if n not in known:
+        if n in known:
+            return known[n]
+        largest = sizes[-1]
+        if n > largest and largest in self.busy_s:
+            # A streamed pass past the largest size: its compute grows with its tokens while the
+            # link's time does not; once the compute outlasts the link, the pass costs the compute
+            seconds = max(cheapest[-1], self.busy_s[largest] * n / largest)
+        elif len(sizes) == 1:
+            seconds = cheapest[0]
+        else:
             i = min(max(1, sum(size < n for size in sizes)), len(sizes) - 1)  # the segment
             (n0, t0), (n1, t1) = zip(sizes[i - 1 : i + 1], cheapest[i - 1 : i + 1])
             seconds = t0 + (t1 - t0) / (n1 - n0) * (n - n0)
-            known[n] = max(seconds, t1) if n > n1 else max(seconds, 0.0)
-        return known[n]
+            seconds = max(seconds, t1) if n > n1 else max(seconds, 0.0)
+        known[n] = seconds
+        return seconds
 
     def from_parts(self, budget, passes):
         """A step's seconds from its parts: draft passes, one target pass, the rest."""
@@ -277,6 +322,9 @@ class CostModel:
         budget, choice = step.budget, (step.budget, step.max_depth)
         other_s = step.total_s - step.draft_s - step.target_s
         self.target_s[step.n_fed] = running_mean(self.target_s.get(step.n_fed), step.target_s)
+        if self.target is not None:  # the pass's seconds not waiting for weights
+            busy = step.target_s - self.target.stats.wait_s
+            self.busy_s[step.n_fed] = running_mean(self.busy_s.get(step.n_fed), busy)
         if self.steps:  # not the first step, which reads the prompt too: no step's whole cost
             if budget:  # how far the parts fell short of the whole, as predicted
                 passes = self.gains.get(choice, (0, step.tree.draft_passes))[1]
@@ -312,6 +360,10 @@ class CostModel:
         for key, (gain, need) in self.tree_gains(tree, step.max_depth).items():
             old_gain, old_need = self.gains.get(key, (None, None))
             self.gains[key] = running_mean(old_gain, gain), running_mean(old_need, need)
+        # A deeper search finds at least what this one did: its older, smaller guesses rise
+        for (b, d), (gain, need) in self.gains.items():
+            if d > step.max_depth and (b, step.max_depth) in self.gains:
+                self.gains[(b, d)] = max(gain, self.gains[(b, step.max_depth)][0]), need
 
     def rates(self):
         """Predicted tokens per second of each (budget, depth); budget 0 is no tree."""
@@ -336,9 +388,22 @@ class CostModel:
             self.promise = gain, self.seconds(choice, passes)
         return choice
 
+    def first_tree(self):
+        """The first tree where passes were timed before it (a streamed target, at load): the
+        budget with the most tokens per second if a tree gives one token more each time it
+        doubles (before any tree, the draft's worth is a guess; SpecExec's trees give about
+        that), searched as deep as it may go: beside a streamed target's pass, a draft pass is
+        cheap. Where the pass is the link's, whatever its size, that is the biggest tree; where
+        its compute grows with the tree, a small one."""
+        guess = {b: (1 + math.log2(b + 1)) / self.t_target(b + 1) for b in self.BUDGETS}
+        budget = max(guess, key=guess.get)
+        return budget, min(budget, self.max_depth)
+
     def decide(self, left):
         """The (budget, depth) with the most tokens/s, a look at the draft, or a deeper search."""
-        if not self.gains or self.draft_s is None:  # nothing measured yet
+        if not self.gains or self.draft_s is None:  # no tree yet
+            if self.target_s and not self.steps:  # passes timed at load: the first tree fits them
+                return self.first_tree()
             # The first tree is a look at the draft too, its passes priced by the weights they
             # read: not taken where they would cost more than 1 / LOOK_EVERY of the plain steps
             # still to come (a dear draft over a short run: it could not pay back its first tree)
