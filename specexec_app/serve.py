@@ -20,13 +20,12 @@ The standard library serves it: one user's requests, answered in turn, need no a
 
 import hmac
 import json
-import queue
 import sys
 import threading
 import time
 import uuid
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -48,14 +47,12 @@ class ApiError(Exception):
     def __init__(self, status, message, param=None, code=None):
         super().__init__(message)
         kind = "invalid_request_error" if status < 500 else "server_error"
-        self.status, self.body = (
-            status,
-            {"error": dict(message=message, type=kind, param=param, code=code)},
-        )
+        self.status, self.body = status, {"error": dict(message=message, type=kind)}
+        self.body["error"] |= dict(param=param, code=code)
 
 
 class Stopped(Exception):
-    """Raised from on_tokens to end a generation: it wrote a stop string, or its client left."""
+    """Raised from on_tokens to end a generation: a stop string, its client gone, or Ctrl-C."""
 
 
 # ---- a request, checked ----
@@ -63,8 +60,7 @@ class Stopped(Exception):
 
 @dataclass
 class Job:
-    """One request, checked. The worker answers it through `events`: where it streams, a chunk
-    of text at a time and then the end's chunk; else the reply; or an ApiError, which ends it."""
+    """One request, checked: what to answer, and how."""
 
     is_chat: bool  # /v1/chat/completions: messages through the chat template; else a prompt
     prompt: object  # the messages, or the prompt's text
@@ -72,8 +68,6 @@ class Job:
     opts: object  # a specexec.Options: the command line's, with the request's sampling fields
     stop: list  # strings that end the answer where it writes one (left out of its text)
     stream: bool
-    events: queue.Queue = field(default_factory=queue.Queue)
-    gone: bool = False  # its client left: the worker stops it at the next step
 
     def __post_init__(self):
         self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -103,11 +97,9 @@ def check(body, is_chat, name, opts, limit):
         if not (isinstance(m, dict) and m.get("role") in ROLES and type(m.get("content")) is str):
             raise ApiError(400, f"messages[{i}]: a role ({', '.join(ROLES)}) and text", key)
     for asked, option in SAMPLING.items():
-        if body.get(asked) is None:
-            continue
-        try:
-            opts = replace(opts, **{option: body[asked]})
-        except SpecExecError as error:  # Options' own check of the value's type and range
+        try:  # Options checks the value's type and range
+            opts = opts if body.get(asked) is None else replace(opts, **{option: body[asked]})
+        except SpecExecError as error:
             raise ApiError(400, f"{asked}: {error}", asked) from None
         if option == "max_new_tokens" and not 1 <= opts.max_new_tokens <= limit:
             raise ApiError(400, f"{asked} must be in [1, {limit}] (the context)", asked)
@@ -127,106 +119,42 @@ def typed(body, key, kind, default=None):
     return value
 
 
-# ---- the worker: one generation at a time ----
-
-
-class Answer:
-    """A generation's on_tokens: its text decoded as the tokens come and streamed in chunks,
-    held back while it ends in part of a character or of a stop string; at a stop string, or
-    once the client has left, it ends the generation (Stopped)."""
-
-    def __init__(self, tokenizer, job):
-        self.tokenizer, self.job = tokenizer, job
-        self.tokens, self.passes, self.text, self.sent = [], 0, "", 0
-
-    def __call__(self, tokens):  # one target pass's tokens
-        if self.job.gone:
-            raise Stopped
-        self.tokens += tokens
-        self.passes += 1
-        self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if ends := [i for stop in self.job.stop if (i := self.text.find(stop)) >= 0]:
-            self.text = self.text[: min(ends)]
-            self.send(len(self.text))
-            raise Stopped
-        if not self.text.endswith("\ufffd"):  # else wait for the character's next bytes
-            stops = self.job.stop
-            held = [k for s in stops for k in range(1, len(s)) if self.text.endswith(s[:k])]
-            self.send(len(self.text) - max(held, default=0))
-
-    def send(self, end):
-        """Stream the text up to `end` not sent yet."""
-        if self.job.stream and end > self.sent:
-            self.job.events.put(self.job.reply(self.text[self.sent : end]))
-            self.sent = end
+# ---- the server: a thread per connection, one generation at a time ----
 
 
 class Server(ThreadingHTTPServer):
-    """The HTTP server (a thread per connection, each a Handler) and the worker thread, which
-    answers the queued jobs in turn through one `Chat` (specexec_app/chat.py). `args`: the
-    command line's --host, --port, --api-key and --chat-template."""
+    """The HTTP server: a thread per connection (a Handler), one generation at a time (`lock`)
+    through one `Chat` (specexec_app/chat.py), at most `size` requests waiting for it (`slots`:
+    the next is answered 503). `args`: the command line's --host, --port, --api-key and
+    --chat-template."""
 
     def __init__(self, chat_, tokenizer, name, eos, args, size=QUEUE, log=None):
         super().__init__((args.host, args.port), Handler)
         self.chat, self.tokenizer, self.name, self.eos = chat_, tokenizer, name, eos
         self.template, self.api_key, self.log = args.chat_template, args.api_key, log or print_line
         self.opts, self.limit = chat_.opts, models.preflight(chat_.target, chat_.draft, None)[1]
-        self.jobs, self.current, self.stopping = queue.Queue(size), None, False
-        self.worker = threading.Thread(target=self.work, daemon=True)
-        self.worker.start()
-
-    def work(self):
-        """The worker: each queued job in turn, until `stop` queues None."""
-        while (job := self.jobs.get()) is not None:
-            self.current = job
-            end = ApiError(503, "the server is stopping") if self.stopping else self.answer(job)
-            job.events.put(end)
-
-    def answer(self, job):
-        """The job's answer, streamed into its events as it comes; returns its end."""
-        answer, stats = Answer(self.tokenizer, job), None
-        template, key = (self.template, "messages") if job.is_chat else ("off", "prompt")
-        try:
-            ids = chat.tokenize(self.tokenizer, job.prompt, template, self.name)
-            self.chat.opts = job.opts
-            tokens, stats = self.chat.generate(ids, eos_token_id=self.eos, on_tokens=answer)
-        except Stopped:  # a turn that fails: the Chat starts the next one afresh
-            tokens = answer.tokens
-        except SpecExecError as error:  # the prompt, refused as `generate` refuses it
-            return ApiError(400, str(error), key)
-        except Exception as error:  # the model failed (out of memory, say): this request only
-            return ApiError(500, f"the generation failed ({one_line(error)})")
-        answer.send(len(answer.text))  # what was held back
-        usage = dict(prompt_tokens=len(ids), completion_tokens=len(tokens))
-        usage["total_tokens"] = len(ids) + len(tokens)
-        per_pass = round(len(tokens) / answer.passes, 2)
-        figures = dict(target_passes=answer.passes, tokens_per_pass=per_pass)
-        if stats is not None:  # it ended by itself (not at a stop string): what auto chose too
-            trees = Counter(f"{budget}x{depth}" for budget, depth in stats.budgets)
-            figures |= dict(trees=trees, reused_tokens=stats.reused, seed=stats.seed)
-        finish = "stop" if stats is None or tokens[-1] in self.eos else "length"
-        text = "" if job.stream else answer.text  # a stream's last chunk: the end alone
-        return job.reply(text, finish, usage=usage, specexec=figures)
+        self.lock, self.slots, self.size = threading.Lock(), threading.Semaphore(size + 1), size
+        self.stopping = False
 
     def stop(self):
-        """Ctrl-C: no new connection; the generation running stops, the waiting ones get 503."""
+        """Ctrl-C: no new connection; the generation running stops at its next step and the
+        waiting ones are refused (503), before the models close."""
         self.stopping = True
         self.server_close()
-        if self.current is not None:
-            self.current.gone = True
-        self.jobs.put(None)
-        self.worker.join()
+        with self.lock:  # the running one has stopped
+            pass
 
 
 def print_line(line):
     print(line, file=sys.stderr, flush=True)
 
 
-# ---- a connection: one request, checked, queued, answered ----
-
-
 class Handler(BaseHTTPRequestHandler):
+    """One connection: its request checked, then answered (whole, or as server-sent events) once
+    the generation before it is done."""
+
     timeout = 60  # seconds a client may leave its request half sent
+    streaming = False  # whether a stream's head is written: a refusal comes as an event then
 
     def do_POST(self):  # and GET: the endpoint decides
         server, endpoint = self.server, (self.command, self.path)
@@ -241,16 +169,17 @@ class Handler(BaseHTTPRequestHandler):
                 raise ApiError(404, f"no such endpoint: {self.command} {self.path}")
             is_chat = self.path == "/v1/chat/completions"
             job = check(self.read_json(), is_chat, server.name, server.opts, server.limit)
-            server.jobs.put_nowait(job)
-        except queue.Full:
-            return self.fail(ApiError(503, f"{server.jobs.maxsize} requests wait: try later"))
+            if not server.slots.acquire(blocking=False):
+                raise ApiError(503, f"{server.size} requests wait already: try again later")
         except ApiError as error:
             return self.fail(error)
         try:
-            self.answer(job)
-        except OSError:  # a write failed: the client left
-            job.gone = True
-            self.note(499, "the client left; its generation stopped")
+            with server.lock:
+                self.answer(job)
+        except OSError:  # a write failed
+            self.note(499, "the client left")
+        finally:
+            server.slots.release()
 
     do_GET = do_POST
 
@@ -267,23 +196,47 @@ class Handler(BaseHTTPRequestHandler):
         return body
 
     def answer(self, job):
-        """Wait for the job's answer; write it whole, or stream it as server-sent events."""
-        event = job.events.get()
-        if isinstance(event, ApiError):  # refused before its first word: a reply of its own
-            return self.fail(event)
+        """Generate the job's answer (the lock held), streamed as it comes where it asks."""
+        server, answer, stats = self.server, Answer(self, job), None
+        template, key = (server.template, "messages") if job.is_chat else ("off", "prompt")
+        try:
+            if server.stopping:
+                raise ApiError(503, "the server is stopping")
+            ids = chat.tokenize(server.tokenizer, job.prompt, template, server.name)
+            server.chat.opts = job.opts
+            tokens, stats = server.chat.generate(ids, eos_token_id=server.eos, on_tokens=answer)
+        except Stopped:  # a turn that fails: the Chat starts the next one afresh
+            tokens = answer.tokens
+        except ApiError as error:
+            return self.fail(error)
+        except SpecExecError as error:  # the prompt, refused as `generate` refuses it
+            return self.fail(ApiError(400, str(error), key))
+        except Exception as error:  # the model failed (out of memory, say): this request only
+            return self.fail(ApiError(500, f"the generation failed ({one_line(error)})"))
+        if answer.gone:
+            return self.note(499, "the client left; its generation stopped")
+        answer.send(len(answer.text))  # what was held back
+        usage = dict(prompt_tokens=len(ids), completion_tokens=len(tokens))
+        usage["total_tokens"] = len(ids) + len(tokens)
+        figures = dict(target_passes=answer.passes, tokens_per_pass=answer.per_pass())
+        if stats is not None:  # it ended by itself (not at a stop string): what auto chose too
+            trees = Counter(f"{budget}x{depth}" for budget, depth in stats.budgets)
+            figures |= dict(trees=trees, reused_tokens=stats.reused, seed=stats.seed)
+        finish = "stop" if stats is None or tokens[-1] in server.eos else "length"
+        end = job.reply("" if job.stream else answer.text, finish, usage=usage, specexec=figures)
         if not job.stream:
-            return self.reply(200, event, json.dumps(event["specexec"]))
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.end_headers()
-        while True:  # the text's chunks, then the end's chunk (or OpenAI's error object)
-            body = event.body if isinstance(event, ApiError) else event
-            self.wfile.write(b"data: " + json.dumps(body).encode() + b"\n\n")
-            if "specexec" in body or "error" in body:
-                break
-            event = job.events.get()
-        self.note(200, json.dumps(body.get("specexec", body)))
+            return self.reply(200, end, json.dumps(figures))
+        self.write_event(end)
+        self.note(200, json.dumps(figures))
         self.wfile.write(b"data: [DONE]\n\n")
+
+    def write_event(self, body):  # the stream's head before its first event
+        if not self.streaming:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            self.streaming = True
+        self.wfile.write(b"data: " + json.dumps(body).encode() + b"\n\n")
 
     def reply(self, status, body, what):
         data = json.dumps(body).encode()
@@ -295,6 +248,9 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def fail(self, error):
+        if self.streaming:  # a stream begun: OpenAI's error object as its last event
+            self.note(error.status, str(error))
+            return self.write_event(error.body)
         self.reply(error.status, error.body, str(error))
 
     def send_error(self, code, message=None, explain=None):  # http.server's own refusals
@@ -305,6 +261,44 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format, *args):  # http.server's own lines: `note` writes one instead
         pass
+
+
+class Answer:
+    """A generation's on_tokens: its text decoded as the tokens come and, where it streams,
+    written in chunks, held back while it ends in part of a character or of a stop string. At a
+    stop string, once the client is gone (a write failed) or at Ctrl-C it ends the generation."""
+
+    def __init__(self, handler, job):
+        self.handler, self.job, self.tokenizer = handler, job, handler.server.tokenizer
+        self.tokens, self.passes, self.text, self.sent, self.gone = [], 0, "", 0, False
+
+    def __call__(self, tokens):  # one target pass's tokens
+        if self.handler.server.stopping:
+            raise Stopped
+        self.tokens += tokens
+        self.passes += 1
+        self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if ends := [i for stop in self.job.stop if (i := self.text.find(stop)) >= 0]:
+            self.text = self.text[: min(ends)]
+            self.send(len(self.text))
+            raise Stopped
+        if not self.text.endswith("\ufffd"):  # else wait for the character's next bytes
+            stops = self.job.stop
+            held = [k for s in stops for k in range(1, len(s)) if self.text.endswith(s[:k])]
+            self.send(len(self.text) - max(held, default=0))
+
+    def send(self, end):
+        """Stream the text up to `end` not sent yet."""
+        if self.job.stream and end > self.sent:
+            try:
+                self.handler.write_event(self.job.reply(self.text[self.sent : end]))
+            except OSError:
+                self.gone = True
+                raise Stopped from None
+            self.sent = end
+
+    def per_pass(self):
+        return round(len(self.tokens) / self.passes, 2)
 
 
 # ---- the command line's --serve ----
