@@ -4,18 +4,17 @@ A chat app, an editor or a script that speaks OpenAI's API points its base URL a
 http://127.0.0.1:8000/v1: `POST /v1/chat/completions` (messages, through the target's chat
 template as --chat renders them), `POST /v1/completions` (a prompt, as it is), `GET /v1/models`.
 
-    connection threads (a Handler each)          the worker (one thread, one Chat)
-    read and check a request -> a Job  --queue-->  tokenize, Chat.generate: the caches kept,
-    write what comes back: whole, or   <-events--  so a conversation resent whole feeds only
-    streamed as server-sent events                  its new tokens; Answer decodes as it goes
+    a thread per connection: its request checked -> it waits for the lock (at most `size` wait;
+    the next is answered 503) -> Chat.generate, the caches kept from request to request: a
+    conversation resent whole feeds only its new tokens -> the reply, or its chunks as they come
 
-The queue is bounded (a full one answers 503) and the worker takes one job at a time, so each
-answer is what a fresh `specexec.generate` writes on the same request (greedy; sampled, with the
-same seed). An answer's last part carries `usage` and `"specexec"`: target passes, tokens per
-pass, the trees auto chose ("budget x depth": passes; "0x0": a plain pass), prompt tokens reused.
-A refused request gets OpenAI's error object and one log line, and the server goes on; a stream
-whose client left stops its generation at the next step. No request names a file or a model.
-The standard library serves it: one user's requests, answered in turn, need no async stack.
+One generation at a time, through one `Chat`, so each answer is what a fresh `specexec.generate`
+writes on the same request (greedy; sampled, with the same seed). An answer's last part carries
+`usage` and `"specexec"`: target passes, tokens per pass, the trees auto chose ("budget x depth":
+passes; "0x0": a plain pass), prompt tokens reused. A refused request gets OpenAI's error object
+and one log line, and the server goes on; a client that leaves a stream stops its generation at
+the next step. No request names a file or a model. The standard library serves it: one user's
+requests, answered in turn, need no async stack.
 """
 
 import hmac
@@ -23,19 +22,16 @@ import json
 import sys
 import threading
 import time
-import uuid
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from specexec_app import chat
 from specexec_tools import SpecExecError, models, one_line
 
-QUEUE = 32  # requests that wait for the worker; one more is answered 503
-MAX_BODY = 8 << 20  # bytes of a request's body
-ROLES = ("system", "developer", "user", "assistant")
 WORDS = {str: "a string", list: "an array", bool: "a boolean", (str, list): "a string or an array"}
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 # A request's sampling fields -> the specexec.Options fields they set (Options checks each value)
 SAMPLING = {"temperature": "temperature", "top_p": "top_p", "seed": "seed"}
 SAMPLING |= {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
@@ -46,137 +42,71 @@ class ApiError(Exception):
 
     def __init__(self, status, message, param=None, code=None):
         super().__init__(message)
-        kind = "invalid_request_error" if status < 500 else "server_error"
-        self.status, self.body = status, {"error": dict(message=message, type=kind)}
-        self.body["error"] |= dict(param=param, code=code)
+        self.status, self.body = status, {"error": dict(message=message, param=param, code=code)}
+        self.body["error"]["type"] = "invalid_request_error" if status < 500 else "server_error"
 
 
 class Stopped(Exception):
-    """Raised from on_tokens to end a generation: a stop string, its client gone, or Ctrl-C."""
-
-
-# ---- a request, checked ----
-
-
-@dataclass
-class Job:
-    """One request, checked: what to answer, and how."""
-
-    is_chat: bool  # /v1/chat/completions: messages through the chat template; else a prompt
-    prompt: object  # the messages, or the prompt's text
-    model: str
-    opts: object  # a specexec.Options: the command line's, with the request's sampling fields
-    stop: list  # strings that end the answer where it writes one (left out of its text)
-    stream: bool
-
-    def __post_init__(self):
-        self.id, self.created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
-
-    def reply(self, text, finish=None, **end):
-        """The reply, or a chunk of its stream (a piece of text; "" and `end` at the end)."""
-        if not self.is_chat:
-            choice, kind = {"text": text}, "text_completion"
-        elif not self.stream:
-            choice, kind = {"message": {"role": "assistant", "content": text}}, "chat.completion"
-        else:
-            delta = {"role": "assistant", "content": text} if text else {}
-            choice, kind = {"delta": delta}, "chat.completion.chunk"
-        choice = {"index": 0, **choice, "logprobs": None, "finish_reason": finish}
-        head = dict(id=self.id, object=kind, created=self.created, model=self.model)
-        return {**head, "choices": [choice], **end}
-
-
-def check(body, is_chat, name, opts, limit):
-    """A request's JSON -> a Job: each field it reads checked (the others are ignored)."""
-    if (model := typed(body, "model", str)) != name:
-        raise ApiError(404, f"no model {model!r} here: {name!r}", "model", "model_not_found")
-    key = "messages" if is_chat else "prompt"
-    if not (prompt := typed(body, key, list if is_chat else str)):
-        raise ApiError(400, f"{key} is empty", key)
-    for i, m in enumerate(prompt if is_chat else []):
-        if not (isinstance(m, dict) and m.get("role") in ROLES and type(m.get("content")) is str):
-            raise ApiError(400, f"messages[{i}]: a role ({', '.join(ROLES)}) and text", key)
-    for asked, option in SAMPLING.items():
-        try:  # Options checks the value's type and range
-            opts = opts if body.get(asked) is None else replace(opts, **{option: body[asked]})
-        except SpecExecError as error:
-            raise ApiError(400, f"{asked}: {error}", asked) from None
-        if option == "max_new_tokens" and not 1 <= opts.max_new_tokens <= limit:
-            raise ApiError(400, f"{asked} must be in [1, {limit}] (the context)", asked)
-    stop = typed(body, "stop", (str, list), [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
-        raise ApiError(400, "stop must be a string or an array of at most 4", "stop")
-    return Job(is_chat, prompt, model, opts, stop, typed(body, "stream", bool, False))
-
-
-def typed(body, key, kind, default=None):
-    """body[key], of JSON type `kind`; missing or null: `default`, refused where there is none."""
-    value = default if body.get(key) is None else body[key]
-    if value is None or not isinstance(value, kind):
-        got = "nothing" if value is None else json.dumps(value)[:40]
-        raise ApiError(400, f"{key} must be {WORDS[kind]}, got {got}", key)
-    return value
-
-
-# ---- the server: a thread per connection, one generation at a time ----
+    """Raised from on_tokens to end a generation: a stop string, or Ctrl-C."""
 
 
 class Server(ThreadingHTTPServer):
     """The HTTP server: a thread per connection (a Handler), one generation at a time (`lock`)
     through one `Chat` (specexec_app/chat.py), at most `size` requests waiting for it (`slots`:
     the next is answered 503). `args`: the command line's --host, --port, --api-key and
-    --chat-template."""
+    --chat-template; `log`: a function of one line."""
 
-    def __init__(self, chat_, tokenizer, name, eos, args, size=QUEUE, log=None):
+    def __init__(self, chat_, tokenizer, name, eos, args, size=32, log=None):
         super().__init__((args.host, args.port), Handler)
         self.chat, self.tokenizer, self.name, self.eos = chat_, tokenizer, name, eos
         self.template, self.api_key, self.log = args.chat_template, args.api_key, log or print_line
         self.opts, self.limit = chat_.opts, models.preflight(chat_.target, chat_.draft, None)[1]
-        self.lock, self.slots, self.size = threading.Lock(), threading.Semaphore(size + 1), size
+        self.lock, self.slots = threading.Lock(), threading.Semaphore(size + 1)
         self.stopping = False
 
     def stop(self):
-        """Ctrl-C: no new connection; the generation running stops at its next step and the
-        waiting ones are refused (503), before the models close."""
+        """Ctrl-C: no new connection; the generation running stops at its next step, and the
+        lock kept, no other starts: the models can close."""
         self.stopping = True
         self.server_close()
-        with self.lock:  # the running one has stopped
-            pass
+        self.lock.acquire()
 
 
 def print_line(line):
     print(line, file=sys.stderr, flush=True)
 
 
+# ---- a connection: one request (HTTP/1.0), checked, then answered ----
+
+
 class Handler(BaseHTTPRequestHandler):
-    """One connection: its request checked, then answered (whole, or as server-sent events) once
-    the generation before it is done."""
+    """One connection, one request: checked (`check`), then answered once the generation before
+    it is done, whole or as server-sent events (`answer`)."""
 
     timeout = 60  # seconds a client may leave its request half sent
     streaming = False  # whether a stream's head is written: a refusal comes as an event then
 
     def do_POST(self):  # and GET: the endpoint decides
-        server, endpoint = self.server, (self.command, self.path)
+        server = self.server
         try:
             given, key = self.headers.get("Authorization", ""), f"Bearer {server.api_key}"
             if server.api_key and not hmac.compare_digest(given.encode(), key.encode()):
                 raise ApiError(401, "a wrong or no API key", code="invalid_api_key")
-            if endpoint == ("GET", "/v1/models"):
+            if (self.command, self.path) == ("GET", "/v1/models"):
                 model = dict(id=server.name, object="model", created=0, owned_by="specexec")
                 return self.reply(200, {"object": "list", "data": [model]}, "the model")
-            if endpoint not in (("POST", "/v1/chat/completions"), ("POST", "/v1/completions")):
+            if self.command != "POST" or self.path not in ENDPOINTS:
                 raise ApiError(404, f"no such endpoint: {self.command} {self.path}")
-            is_chat = self.path == "/v1/chat/completions"
-            job = check(self.read_json(), is_chat, server.name, server.opts, server.limit)
+            self.check(self.read_json())
             if not server.slots.acquire(blocking=False):
-                raise ApiError(503, f"{server.size} requests wait already: try again later")
+                raise ApiError(503, "too many requests wait already: try again later")
         except ApiError as error:
             return self.fail(error)
         try:
             with server.lock:
-                self.answer(job)
-        except OSError:  # a write failed
+                if not server.stopping:  # else Ctrl-C came while it waited
+                    self.answer()
+        except OSError:  # a write failed: the generation, if it ran, stopped there
             self.note(499, "the client left")
         finally:
             server.slots.release()
@@ -185,8 +115,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def read_json(self):
         length = self.headers.get("Content-Length", "")
-        if not length.isdigit() or int(length) > MAX_BODY:
-            raise ApiError(413, f"a body needs a Content-Length of at most {MAX_BODY} bytes")
+        if not length.isdigit() or int(length) > 8 << 20:
+            raise ApiError(413, "a body needs a Content-Length of at most 8 MB")
         try:
             body = json.loads(self.rfile.read(int(length)).decode())
         except (ValueError, RecursionError) as error:  # not UTF-8, or not JSON
@@ -195,40 +125,102 @@ class Handler(BaseHTTPRequestHandler):
             raise ApiError(400, "the body must be a JSON object")
         return body
 
-    def answer(self, job):
-        """Generate the job's answer (the lock held), streamed as it comes where it asks."""
-        server, answer, stats = self.server, Answer(self, job), None
-        template, key = (server.template, "messages") if job.is_chat else ("off", "prompt")
-        try:
-            if server.stopping:
-                raise ApiError(503, "the server is stopping")
-            ids = chat.tokenize(server.tokenizer, job.prompt, template, server.name)
-            server.chat.opts = job.opts
-            tokens, stats = server.chat.generate(ids, eos_token_id=server.eos, on_tokens=answer)
-        except Stopped:  # a turn that fails: the Chat starts the next one afresh
-            tokens = answer.tokens
-        except ApiError as error:
-            return self.fail(error)
+    def check(self, body):
+        """The request's fields, each checked (the others are ignored): the messages, to go
+        through the chat template, or the prompt, as it is; the sampling fields, in `opts`; the
+        stop strings (each ends the answer, left out of it); whether it streams."""
+        server, opts, self.is_chat = self.server, self.server.opts, self.path == ENDPOINTS[0]
+        self.id, self.created = f"cmpl-{time.time_ns()}", int(time.time())  # ids: one a request
+        if (model := typed(body, "model", str)) != server.name:
+            raise ApiError(404, f"no model {model!r} here", "model", "model_not_found")
+        key = "messages" if self.is_chat else "prompt"
+        if not (prompt := typed(body, key, list if self.is_chat else str)):
+            raise ApiError(400, f"{key} is empty", key)
+        for i, m in enumerate(prompt if self.is_chat else []):
+            fields = [m.get("role"), m.get("content")] if isinstance(m, dict) else [None]
+            if not all(isinstance(field, str) for field in fields):
+                raise ApiError(400, f"messages[{i}] needs a role and its text", key)
+        for asked, option in SAMPLING.items():
+            given = body.get(asked)
+            try:  # Options checks the value's type and range
+                opts = opts if given is None else replace(opts, **{option: given})
+            except SpecExecError as error:
+                raise ApiError(400, f"{asked}: {error}", asked) from None
+            if option == "max_new_tokens" and given is not None and not 1 <= given <= server.limit:
+                raise ApiError(400, f"{asked} must be in [1, {server.limit}]: the context", asked)
+        stop = typed(body, "stop", (str, list), [])
+        self.stop = [stop] if isinstance(stop, str) else stop
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ApiError(400, "stop must be a string or an array of them", "stop")
+        self.prompt, self.opts, self.stream = prompt, opts, typed(body, "stream", bool, False)
+
+    def answer(self):
+        """Generate the answer (the lock held), streamed as it comes where the request asks."""
+        server, stats = self.server, None
+        template, key = (server.template, "messages") if self.is_chat else ("off", "prompt")
+        self.tokens, self.passes, self.text, self.sent = [], 0, "", 0  # `take` fills them
+        try:  # a turn that fails (Stopped, OSError) leaves the Chat to start the next afresh
+            ids = chat.tokenize(server.tokenizer, self.prompt, template, server.name)
+            server.chat.opts = self.opts
+            stats = server.chat.generate(ids, eos_token_id=server.eos, on_tokens=self.take)[1]
+        except Stopped:  # a stop string: the text ends before it
+            pass
+        except OSError:  # a write failed: the client left (do_POST says so)
+            raise
         except SpecExecError as error:  # the prompt, refused as `generate` refuses it
             return self.fail(ApiError(400, str(error), key))
         except Exception as error:  # the model failed (out of memory, say): this request only
             return self.fail(ApiError(500, f"the generation failed ({one_line(error)})"))
-        if answer.gone:
-            return self.note(499, "the client left; its generation stopped")
-        answer.send(len(answer.text))  # what was held back
-        usage = dict(prompt_tokens=len(ids), completion_tokens=len(tokens))
-        usage["total_tokens"] = len(ids) + len(tokens)
-        figures = dict(target_passes=answer.passes, tokens_per_pass=answer.per_pass())
+        self.send_text(len(self.text))  # what was held back
+        n_prompt, n_new = len(ids), len(self.tokens)  # self.tokens: every token it wrote
+        usage = dict(prompt_tokens=n_prompt, completion_tokens=n_new, total_tokens=n_prompt + n_new)
+        figures = dict(target_passes=self.passes, tokens_per_pass=round(n_new / self.passes, 2))
         if stats is not None:  # it ended by itself (not at a stop string): what auto chose too
             trees = Counter(f"{budget}x{depth}" for budget, depth in stats.budgets)
             figures |= dict(trees=trees, reused_tokens=stats.reused, seed=stats.seed)
-        finish = "stop" if stats is None or tokens[-1] in server.eos else "length"
-        end = job.reply("" if job.stream else answer.text, finish, usage=usage, specexec=figures)
-        if not job.stream:
+        finish = "stop" if stats is None or self.tokens[-1] in server.eos else "length"
+        text = "" if self.stream else self.text  # a stream's last chunk: the end alone
+        end = self.completion(text, finish, usage=usage, specexec=figures)
+        if not self.stream:
             return self.reply(200, end, json.dumps(figures))
         self.write_event(end)
         self.note(200, json.dumps(figures))
         self.wfile.write(b"data: [DONE]\n\n")
+
+    def take(self, tokens):
+        """on_tokens: one target pass's tokens. The text is decoded as they come and, where the
+        request streams, written in chunks, held back while it ends in part of a character or of
+        a stop string. A stop string or Ctrl-C ends the generation (Stopped), and so does a
+        failed write (OSError)."""
+        self.tokens += tokens
+        self.passes += 1
+        if self.server.stopping:
+            raise Stopped
+        self.text = self.server.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if ends := [i for stop in self.stop if (i := self.text.find(stop)) >= 0]:
+            self.text = self.text[: min(ends)]  # answer() sends what is left of it
+            raise Stopped
+        if not self.text.endswith("\ufffd"):  # else wait for the character's next bytes
+            held = [k for s in self.stop for k in range(1, len(s)) if self.text.endswith(s[:k])]
+            self.send_text(len(self.text) - max(held, default=0))
+
+    def send_text(self, end):
+        """Stream the text up to `end` not sent yet."""
+        if self.stream and end > self.sent:
+            self.write_event(self.completion(self.text[self.sent : end]))
+            self.sent = end
+
+    def completion(self, text, finish=None, **end):
+        """The reply, or a chunk of its stream (a piece of text; "" and `end` at the end)."""
+        if not self.is_chat:
+            choice, kind = {"text": text}, "text_completion"
+        elif not self.stream:
+            choice, kind = {"message": {"role": "assistant", "content": text}}, "chat.completion"
+        else:
+            choice, kind = {"delta": {"content": text}}, "chat.completion.chunk"
+        choice = {"index": 0, **choice, "logprobs": None, "finish_reason": finish}
+        head = dict(id=self.id, object=kind, created=self.created)
+        return {**head, "model": self.server.name, "choices": [choice], **end}
 
     def write_event(self, body):  # the stream's head before its first event
         if not self.streaming:
@@ -263,42 +255,12 @@ class Handler(BaseHTTPRequestHandler):
         pass
 
 
-class Answer:
-    """A generation's on_tokens: its text decoded as the tokens come and, where it streams,
-    written in chunks, held back while it ends in part of a character or of a stop string. At a
-    stop string, once the client is gone (a write failed) or at Ctrl-C it ends the generation."""
-
-    def __init__(self, handler, job):
-        self.handler, self.job, self.tokenizer = handler, job, handler.server.tokenizer
-        self.tokens, self.passes, self.text, self.sent, self.gone = [], 0, "", 0, False
-
-    def __call__(self, tokens):  # one target pass's tokens
-        if self.handler.server.stopping:
-            raise Stopped
-        self.tokens += tokens
-        self.passes += 1
-        self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if ends := [i for stop in self.job.stop if (i := self.text.find(stop)) >= 0]:
-            self.text = self.text[: min(ends)]
-            self.send(len(self.text))
-            raise Stopped
-        if not self.text.endswith("\ufffd"):  # else wait for the character's next bytes
-            stops = self.job.stop
-            held = [k for s in stops for k in range(1, len(s)) if self.text.endswith(s[:k])]
-            self.send(len(self.text) - max(held, default=0))
-
-    def send(self, end):
-        """Stream the text up to `end` not sent yet."""
-        if self.job.stream and end > self.sent:
-            try:
-                self.handler.write_event(self.job.reply(self.text[self.sent : end]))
-            except OSError:
-                self.gone = True
-                raise Stopped from None
-            self.sent = end
-
-    def per_pass(self):
-        return round(len(self.tokens) / self.passes, 2)
+def typed(body, key, kind, default=None):
+    """body[key], of JSON type `kind`; missing or null: `default`, refused where there is none."""
+    value = default if body.get(key) is None else body[key]
+    if value is None or not isinstance(value, kind):
+        raise ApiError(400, f"{key} must be {WORDS[kind]}, got {json.dumps(value)[:40]}", key)
+    return value
 
 
 # ---- the command line's --serve ----
@@ -307,8 +269,7 @@ class Answer:
 def serve(chat_, tokenizer, args, eos):
     """Answer requests until Ctrl-C; `chat_`: a Chat of the loaded pair and the generation
     flags, `args`: the command line's."""
-    local = Path(args.target).expanduser().is_dir()
-    name = Path(args.target).name if local else args.target  # a folder's name, or the hub id
+    name = Path(args.target).name  # a folder's name; a hub id's after its owner
     try:
         server = Server(chat_, tokenizer, name, list(eos), args)
     except OSError as error:
