@@ -7,6 +7,7 @@ import functools
 import http.client
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -435,8 +436,9 @@ def test_flags_refuse_another_machines_address_without_a_key(capsys, monkeypatch
     not (HERE / "models" / "target" / "config.json").exists(), reason="models/ not trained yet"
 )
 def test_the_command_line_serves_the_pair_and_stops_on_ctrl_c():
-    """`python specexec.py --serve --port 0`: it says where it listens, answers a chat and a
-    completion, and Ctrl-C ends it cleanly (exit 130, its last line, no traceback)."""
+    """`python specexec.py --serve --port 0`: it says where it listens, answers a chat, a
+    completion and the README's client line, and Ctrl-C ends it cleanly (exit 130, its last line,
+    no traceback)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "SPECEXEC_"))}
     process = subprocess.Popen(
         [sys.executable, "specexec.py", "--serve", "--port", "0", "--max-new-tokens", "6",
@@ -453,6 +455,10 @@ def test_the_command_line_serves_the_pair_and_stops_on_ctrl_c():
         assert reply.model_extra["specexec"]["target_passes"] >= 2
         reply = client.completions.create(model="target", prompt="def add(a, b):")
         assert reply.model_extra["specexec"]["reused_tokens"] > 0  # the same text, untemplated
+        readme = (HERE / "README.md").read_text()  # its client line, as written but the port
+        line = re.search(r"`(OpenAI\(base_url=.*?\))`", readme).group(1)
+        reply = eval(line.replace("http://127.0.0.1:8000/v1", url), {"OpenAI": openai.OpenAI})
+        assert reply.choices[0].message.content and reply.usage.completion_tokens == 6
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 130
         err = process.stderr.read()

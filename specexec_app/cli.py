@@ -128,15 +128,12 @@ def parse_args(argv=None):
         "prompt on a terminal); Ctrl-C stops an answer, /new starts over, EOF or /exit ends it; "
         "the caches are kept from turn to turn")
     add("--compare", action="store_true", help="also time plain decoding (both warmed up first)")
-    add("--serve", action="store_true", help="answer OpenAI's API over HTTP (/v1/chat/completions, "
-        "/v1/completions, /v1/models), one request at a time, the caches kept as --chat keeps them")
-    add("--host", default="127.0.0.1", help="with --serve: the address to listen on (another "
-        "machine's needs --api-key); default: %(default)s")
-    add("--port", type=int, default=8000, help="with --serve: the port (0: a free one); "
-        "default: %(default)s")
-    add("--api-key", default=os.environ.get("SPECEXEC_API_KEY"), metavar="KEY", help="with "
-        "--serve: the key a request must send (Authorization: Bearer KEY); default: "
-        "$SPECEXEC_API_KEY")
+    add("--serve", action="store_true", help="answer OpenAI's API (/v1/chat/completions, "
+        "/v1/completions, /v1/models) over HTTP, the caches kept as --chat keeps them")
+    add("--host", default="127.0.0.1", help="--serve's address (default: %(default)s)")
+    add("--port", type=int, default=8000, help="--serve's port (default: %(default)s; 0: any free)")
+    add("--api-key", default=os.environ.get("SPECEXEC_API_KEY"), metavar="KEY", help="the key "
+        "--serve asks of each request, needed off this machine (default: $SPECEXEC_API_KEY)")
     add("--verbose", action="store_true", help="show transformers' loading logs")
     # fmt: on
     args = parser.parse_args(argv)
