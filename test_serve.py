@@ -452,7 +452,11 @@ def test_the_command_line_serves_the_pair_and_stops_on_ctrl_c():
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
         reply = client.chat.completions.create(model="target", messages=user("def add(a, b):"))
         assert reply.usage.completion_tokens == 6 and reply.choices[0].message.content
-        assert reply.model_extra["specexec"]["target_passes"] >= 2
+        figures = reply.model_extra["specexec"]  # budget auto: what it chose, pass by pass
+        assert (
+            figures["target_passes"] >= 2
+            and sum(figures["trees"].values()) == figures["target_passes"]
+        )
         reply = client.completions.create(model="target", prompt="def add(a, b):")
         assert reply.model_extra["specexec"]["reused_tokens"] > 0  # the same text, untemplated
         readme = (HERE / "README.md").read_text()  # its client line, as written but the port
