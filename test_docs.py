@@ -195,4 +195,6 @@ def test_the_root_states_the_brief_and_the_library_reads_one_way():
         i for i, line in enumerate(offload, 1) if re.match(r"class \w*(Ring|CausalLM)", line)
     )
     assert first <= 150
-    assert sum(code_lines(path) for path in files) <= 2387  # issue 47 asks 2,400
+    serve = HERE / "specexec_app" / "serve.py"  # issue 62's --serve: a budget of its own
+    assert code_lines(serve) <= 200
+    assert sum(code_lines(path) for path in files if path != serve) <= 2400  # issue 47 asks 2,400

@@ -132,6 +132,12 @@ def parse_args(argv=None):
         "prompt on a terminal); Ctrl-C stops an answer, /new starts over, EOF or /exit ends it; "
         "the caches are kept from turn to turn")
     add("--compare", action="store_true", help="also time plain decoding (both warmed up first)")
+    add("--serve", action="store_true", help="answer OpenAI's API (/v1/chat/completions, "
+        "/v1/completions, /v1/models) over HTTP, the caches kept as --chat keeps them")
+    add("--host", default="127.0.0.1", help="--serve's address (default: %(default)s)")
+    add("--port", type=int, default=8000, help="--serve's port (default: %(default)s; 0: any free)")
+    add("--api-key", default=os.environ.get("SPECEXEC_API_KEY"), metavar="KEY", help="the key "
+        "--serve asks of each request, needed off this machine (default: $SPECEXEC_API_KEY)")
     add("--verbose", action="store_true", help="show transformers' loading logs")
     # fmt: on
     args = parser.parse_args(argv)
@@ -161,6 +167,11 @@ def check_flags(args):
         (str(folder) in ("", "."), "--offload-dir is empty: name a folder for the copy"),
         (folder.expanduser().is_file(), f"--offload-dir {folder} is a file, not a folder"),
         (args.chat and args.compare, "--chat and --compare: compare a one-prompt run instead"),
+        (args.serve and (args.chat or args.compare or args.prompt is not None),
+         "--serve takes its prompts from requests: not with --chat, --compare or --prompt"),
+        (not 0 <= args.port <= 65535, f"--port {args.port}: a port is 0 to 65535"),
+        (args.serve and not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"),
+         f"--host {args.host} lets other machines in: give --api-key (or SPECEXEC_API_KEY)"),
         (args.chat and sys.stdin is None, "--chat reads turns from standard input: it is closed"),
         (args.compare and args.opts.max_new_tokens == 0,
          "--compare times decoding: give it --max-new-tokens of at least 1"),
@@ -180,7 +191,7 @@ def check_flags(args):
     args.target = model_name(args.target, "--target")
     if args.draft != "none" and not args.self_draft:
         args.draft = model_name(args.draft, "--draft")
-    if args.prompt is None and not args.chat:
+    if args.prompt is None and not (args.chat or args.serve):
         args.prompt = default_prompt(args.prompt_index)
 
 
@@ -232,7 +243,7 @@ def run(args):
     from transformers.utils import logging as transformers_logging
 
     import offload
-    from specexec_app import chat
+    from specexec_app import chat, serve
     from specexec_tools import checkpoint, cost_model, models
 
     opts, device = args.opts, pick_device(args.device)
@@ -261,7 +272,8 @@ def run(args):
     if args.offload_clean:  # a copy it could not remove: refused now, not after the run
         checkpoint.check_removable(target.checkpoint, dtype, args.quantize, args.offload_dir)
     largest = cost_model.CostModel.BUDGETS[-1] if opts.budget == "auto" else opts.budget
-    context = None if args.chat else len(seq) + opts.max_new_tokens + largest + 1  # the KV cache
+    # the KV cache's length; a conversation's (--chat, --serve) is not known
+    context = None if args.chat or args.serve else len(seq) + opts.max_new_tokens + largest + 1
     loaded = [None, None]  # (target, draft) once loaded; the draft stays None with --draft none
     try:
         if args.offload:
@@ -280,6 +292,8 @@ def run(args):
         if args.chat:
             chat.talk(chat.Chat(*loaded, opts), tokenizer, target.folder, args, list(eos),
                       Streamer, dim, summary)  # fmt: skip
+        elif args.serve:
+            serve.serve(chat.Chat(*loaded, opts), tokenizer, args, eos)
         else:
             report(*loaded, tokenizer, seq, limit, eos, args, device)
     finally:
