@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from specexec_tools.models import CACHE
+
 HERE = Path(__file__).resolve().parents[1]  # the repository root
 TARGET, DRAFT = str(HERE / "models" / "target"), str(HERE / "models" / "draft")  # the default pair
 COPIES = Path.home() / ".cache/specexec/offload"  # converted copies, where the CLI keeps them
@@ -120,7 +122,7 @@ class Meter:
     def idling(self, forward, model):
         @functools.wraps(forward)
         def idling(*args, **kwargs):
-            cache = kwargs.get("past_key_values")  # a run's first pass: idle since another run
+            cache = kwargs.get(CACHE)  # a run's first pass: idle since another run
             later = cache is not None and cache.get_seq_length() > 0
             out = forward(*args, **kwargs)
             self.idle_s += model.stats.link_idle_s if later else 0.0
