@@ -240,19 +240,19 @@ def tree_mask(parents, n_prefix, dtype, device, window=None, n_new=None):
     (1, 1, n_new, n_prefix + n), additive floats (0 / finfo.min: Hugging Face passes a 4D mask
     as it is, and eager attention would misread booleans), and position ids (1, n_new)."""
     n = len(parents)
-    new = slice(n - (n if n_new is None else n_new), n)  # the rows asked for
-    parent = torch.tensor(parents, dtype=torch.long)  # (n,)
-    sees = torch.eye(n, dtype=torch.bool)  # (n, n): sees[i, j] = j is i or an ancestor of i
-    depth = torch.zeros(n, dtype=torch.long)  # (n,): how many of the n tokens are ancestors
-    # Walk every token up its chain of ancestors at once; the walk ends at the tree's depth.
-    node = parent.clone()  # (n,): the ancestor each token reached so far
-    while (climbing := (node >= 0).nonzero()[:, 0]).numel():  # (n_climbing,)
-        sees[climbing, node[climbing]] = True
-        depth[climbing] += 1
-        node[climbing] = parent[node[climbing]]
-    sees, positions = sees[new], n_prefix + depth  # (n_new, n), (n,)
+    first = n - (n if n_new is None else n_new)  # the first token whose row is asked for
+    new = slice(first, n)  # the rows asked for
+    # Each token's ancestors and itself, from its parent's (parents come first): a list copy
+    # per token, where a walk up from each row would cost a step per ancestor in Python
+    ancestors = []
+    for i, parent in enumerate(parents):
+        ancestors.append((ancestors[parent] if parent >= 0 else []) + [i])
+    rows = [row for row, i in enumerate(range(first, n)) for _ in ancestors[i]]
+    sees = torch.zeros(n - first, n, dtype=torch.bool)  # (n_new, n): j is i or an ancestor
+    sees[rows, [j for chain in ancestors[new] for j in chain]] = True
+    positions = n_prefix - 1 + torch.tensor([len(chain) for chain in ancestors])  # (n,)
     # Only the new rows become floats: a draft pass adds a few rows below a large tree.
-    mask = torch.zeros(len(sees), n_prefix + n, dtype=dtype)  # (n_new, n_prefix + n)
+    mask = torch.zeros(n - first, n_prefix + n, dtype=dtype)  # (n_new, n_prefix + n)
     mask[:, n_prefix:].masked_fill_(~sees, torch.finfo(dtype).min)  # the prefix: all visible
     if window is not None:
         key_positions = torch.cat([torch.arange(n_prefix), positions])  # (n_prefix + n,)
