@@ -236,8 +236,8 @@ class Lookup:
     same budget, each edge ranked at the log of how often the target took what it offered."""
 
     longest: int  # the longest chain copied into the tree (Options.lookup; 0: no lookup)
-    taken: int = 1  # proposals the target took, of
-    offered: int = 2  # those it could take (their parent reached): a half to start
+    taken: int = 1  # proposals the target took, of those offered (a half to start)
+    offered: int = 2  # proposals the target could take: their parent on its path
 
     def add_candidates(self, tree, seq, room):
         """What followed the text's last tokens earlier, from the root; then from the deepest best
