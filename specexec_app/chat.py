@@ -1,4 +1,4 @@
-"""A conversation: `specexec.Chat` (the API) and `python specexec.py --chat` (`talk`).
+"""A conversation: `Chat` (the API) and `python specexec.py --chat` (`talk`).
 
 Each user turn joins the conversation, which is rendered whole (`tokenize`: the tokenizer's chat
 template, or the turns in a row where it has none). `Chat` feeds the models only what their
@@ -27,7 +27,8 @@ class Chat:
     def __init__(self, target, draft, opts=None, **options):
         self.opts = check_call(opts, options, None, specexec.Options)
         models.preflight(target, draft, None)  # models, and a pair that can run together
-        self.target, self.draft = target, draft
+        self.target = target
+        self.draft = draft
         self.policy = cost_model.make_policy(self.opts, target, draft)
         self.seq = []  # the tokens the caches were last left holding, but the last
         self.caches = None  # (target's, draft's); made by the first turn's Run
@@ -47,13 +48,16 @@ class Chat:
             run.target_cache, run.draft_cache = self.caches
             for cache in self.caches:
                 crop(cache, reused)
-        self.seq, self.caches = [], None  # until the turn ends well: what the caches hold is open
+        self.seq = []  # until the turn ends well: what the caches hold is open
+        self.caches = None
         new_tokens, stats = specexec.decode_loop(run, seq, self.policy, eos, on_tokens)
         # The caches may hold tokens past a stop (an EOS inside an accepted path): cut them, so
         # that they hold `seq` but its last token, as after any step.
         for cache in (run.target_cache, run.draft_cache):
             crop(cache, len(seq) - 1)
-        self.seq, self.caches, stats.reused = seq, (run.target_cache, run.draft_cache), reused
+        self.seq = seq
+        self.caches = (run.target_cache, run.draft_cache)
+        stats.reused = reused
         return new_tokens, stats
 
 
@@ -62,7 +66,8 @@ def crop(cache, n):
     if cache is None or cache.get_seq_length() <= n:
         return
     for layer in cache.layers:
-        layer.keys, layer.values = layer.keys[..., :n, :], layer.values[..., :n, :]
+        layer.keys = layer.keys[..., :n, :]
+        layer.values = layer.values[..., :n, :]
 
 
 # ---- the command line's conversation ----
@@ -74,8 +79,8 @@ def talk(chat, tokenizer, folder, args, eos, stream, dim, summary):
     terminal, `summary` words a run."""
     if tokenizer.chat_template is None or args.chat_template == "off":
         how = "told to use no" if args.chat_template == "off" else "no"
-        print(dim(f"chat: {folder}: {how} chat template; each turn goes on a new line after "
-                  "the text so far"))  # fmt: skip
+        rows = "each turn goes on a new line after the text so far"
+        print(dim(f"chat: {folder}: {how} chat template; {rows}"))
     messages = []
     for turn in turns(args.prompt):
         if turn == "/new":
@@ -169,8 +174,9 @@ def tokenize(tokenizer, prompt, chat_template, folder):
             )
     # No template: the texts in a row ("on" without one is refused where the tokenizer loads)
     if chat_template == "off" or tokenizer.chat_template is None:
-        text = "".join(("\n" if m["role"] == "user" and i else "") + m["content"]
-                       for i, m in enumerate(messages))  # fmt: skip
+        text = ""
+        for i, message in enumerate(messages):  # each user turn but a first on a new line
+            text += ("\n" if message["role"] == "user" and i else "") + message["content"]
         return tokenizer(text)["input_ids"]
     try:  # transformers 5 returns a BatchEncoding, which is no dict: ask for input_ids by name
         encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)

@@ -244,7 +244,7 @@ def run(args):
 
     import offload
     from specexec_app import chat, serve
-    from specexec_tools import checkpoint, cost_model, models
+    from specexec_tools import cost_model, models
 
     opts, device = args.opts, pick_device(args.device)
     if args.link is not None and device.type != "cpu":
@@ -270,7 +270,7 @@ def run(args):
     dtype = torch.float32 if args.dtype == "auto" and device.type == "cpu" else None
     dtype = getattr(torch, args.dtype) if args.dtype != "auto" else dtype  # None: the checkpoint's
     if args.offload_clean:  # a copy it could not remove: refused now, not after the run
-        checkpoint.check_removable(target.checkpoint, dtype, args.quantize, args.offload_dir)
+        check_removable(target.checkpoint, dtype, args.quantize, args.offload_dir)
     largest = cost_model.CostModel.BUDGETS[-1] if opts.budget == "auto" else opts.budget
     # the KV cache's length; a conversation's (--chat, --serve) is not known
     context = None if args.chat or args.serve else len(seq) + opts.max_new_tokens + largest + 1
@@ -396,6 +396,24 @@ def pick_device(name):
         if (device.index or 0) >= backend.device_count():
             raise SpecExecError(f"--device {name}: only {backend.device_count()} here")
     return device
+
+
+def check_removable(ckpt, dtype, kind, offload_dir):
+    """--offload-clean, checked before the run rather than after it: the copy this run writes or
+    reuses in `offload_dir` (--offload-dir, never None) can be removed again (its folder, and the
+    one holding it, are writable; a read-only offload_dir can hold a finished copy, reused
+    without a write). dtype None: the checkpoint's own."""
+    from specexec_tools.checkpoint import copy_folder
+
+    folder = copy_folder(ckpt, dtype or ckpt.dtype, kind, offload_dir)
+    if folder is None:
+        return  # the checkpoint's own files are read: no copy to remove
+    for where in (folder, folder.parent):
+        if where.exists() and not os.access(where, os.W_OK | os.X_OK):
+            raise OffloadError(
+                f"--offload-clean: the converted copy {folder} could not be removed after the "
+                f"run ({where} is read-only); drop --offload-clean or pass another --offload-dir"
+            )
 
 
 def converted_copy(model, remove):

@@ -24,16 +24,22 @@ def in_ms(seconds):
     return [s * 1e3 for s in seconds]
 
 
+def log_budget(budget):
+    """Where a budget goes on a log axis: 1 + log2(budget), plain decoding (budget 0) at 0."""
+    return 1 + math.log2(budget) if budget else 0
+
+
 # ---- the draft tree ----
 
 
-def layered_layout(tree, kept):
+def layered_layout(tree, best):
     """(depth, row) of every node. Leaves are stacked in depth-first order, best child first;
-    a parent sits level with the middle of its children; a dropped leaf takes less room."""
+    a parent sits level with the middle of its children; a leaf not in `best` takes less room."""
     children = {}
     for node in sorted(range(1, len(tree.tokens)), key=tree.rank):
         children.setdefault(tree.parents[node], []).append(node)
-    pos, free_row = {}, 0.0
+    pos = {}
+    free_row = 0.0
 
     def place(node, depth):  # returns the node's row
         nonlocal free_row
@@ -41,7 +47,8 @@ def layered_layout(tree, kept):
         if rows:
             pos[node] = (depth, (rows[0] + rows[-1]) / 2)
         else:
-            pos[node], free_row = (depth, free_row), free_row + (1.0 if node in kept else 0.3)
+            pos[node] = (depth, free_row)
+            free_row += 1.0 if node in best else 0.3
         return pos[node][1]
 
     place(0, 0)
@@ -54,36 +61,38 @@ def token_box(ax, xy, text, ink="black", **box):
     return ax.text(*xy, text, color=ink, family="monospace", zorder=3, bbox=box, **CENTRED)
 
 
-def draw_tree(ax, tree, kept, pos, tokenizer, only=None):
-    """Kept nodes as boxes coloured by cumulative draft probability; dropped ones as grey dots.
-    With `only`, the nodes outside it are faded. Returns the boxes and the colour scale."""
+def draw_tree(ax, tree, best, pos, tokenizer, only=None):
+    """The `best` nodes as boxes coloured by cumulative draft probability; the others as grey
+    dots. With `only`, the nodes outside it are faded. Returns the boxes and the colour scale."""
     alpha = {node: 1.0 if only is None or node in only else 0.3 for node in range(len(tree.tokens))}
-    prob = {node: math.exp(tree.cum_logprob[node]) for node in kept}
-    norm, cmap = LogNorm(vmin=min(prob.values()), vmax=1.0), plt.get_cmap("viridis")
+    prob = {node: math.exp(tree.cum_logprob[node]) for node in best}
+    norm = LogNorm(vmin=min(prob.values()), vmax=1.0)
+    cmap = plt.get_cmap("viridis")
     dropped = dict(color="0.7", lw=0.6, ls=":", marker="o", ms=3, markevery=[1], zorder=0)
     for node in range(1, len(tree.tokens)):
-        style = dict(color="0.35", lw=1.2, zorder=1) if node in kept else dropped
+        style = dict(color="0.35", lw=1.2, zorder=1) if node in best else dropped
         ax.plot(*zip(pos[tree.parents[node]], pos[node]), alpha=alpha[node], **style)
     boxes = {}
-    for node in sorted(kept):
+    for node in sorted(best):
         shade = norm(prob[node])  # the root is given: probability 1
         ink = ("white" if shade < 0.55 else "black") if alpha[node] == 1 else "0.3"
         fill = "white" if node == 0 else cmap(shade)
         text = show(tokenizer, tree.tokens[node])
         boxes[node] = token_box(ax, pos[node], text, ink, fc=fill, alpha=alpha[node])
-    depth, rows = max(x for x, _ in pos.values()), max(y for _, y in pos.values())
-    ax.set(xticks=range(depth + 1), yticks=[], xlabel="depth: tokens after the root")
-    ax.set_ylim(rows + 0.8, -0.8)  # best branch on top
+    deepest = max(x for x, _ in pos.values())
+    ax.set(xticks=range(deepest + 1), yticks=[], xlabel="depth: tokens after the root")
+    ax.set_ylim(max(y for _, y in pos.values()) + 0.8, -0.8)  # best branch on top
     ax.spines["left"].set_visible(False)
     return boxes, norm, cmap
 
 
-def plot_draft_tree(tree, kept, pass_of, tokenizer, opts):
-    """The tree `grow_tree` found, with the number of the draft pass that read each node."""
-    kept = {0, *kept}
-    pos = layered_layout(tree, kept)
+def plot_draft_tree(tree, best, pass_of, tokenizer, opts):
+    """The tree `grow_tree` found, its `best` nodes (tree.best()) boxed, with the number of the
+    draft pass that read each node."""
+    with_root = {0, *best}
+    pos = layered_layout(tree, with_root)
     fig, ax = plt.subplots(figsize=(11, 6))
-    boxes, norm, cmap = draw_tree(ax, tree, kept, pos, tokenizer)
+    boxes, norm, cmap = draw_tree(ax, tree, with_root, pos, tokenizer)
     label = "cumulative draft probability of the path"
     bar = fig.colorbar(plt.cm.ScalarMappable(norm, cmap), ax=ax, shrink=0.7, pad=0.01, label=label)
     ticks = [t for t in (0.001, 0.003, 0.01, 0.03, 0.1, 0.2, 0.3, 0.5, 1) if t >= norm.vmin]
@@ -95,13 +104,13 @@ def plot_draft_tree(tree, kept, pass_of, tokenizer, opts):
         at = dict(xy=(0, 0), xycoords=boxes[node]) if node in boxes else dict(xy=pos[node])
         ax.annotate(number, **at, xytext=(-3, -3), **badge)
     legend = [
-        Line2D([], [], marker="s", ls="", mfc=cmap(0.5), mec="black", ms=9, label="kept node"),
+        Line2D([], [], marker="s", ls="", mfc=cmap(0.5), mec="black", ms=9, label="best node"),
         Line2D([], [], marker="o", ls=":", color="0.65", ms=4, label="found, dropped"),
         Line2D([], [], marker="$2$", ls="", color="crimson", ms=7, label="draft pass that read it"),
     ]
     ax.legend(handles=legend, loc="upper left")
     ax.set_title(
-        f"grow_tree: the best {len(kept) - 1} of the {len(tree.tokens) - 1} nodes the draft "
+        f"grow_tree: the best {len(best)} of the {len(tree.tokens) - 1} nodes the draft "
         f"found (budget {opts.budget}, width {opts.width}, branch {opts.branch})"
     )
     return fig
@@ -113,7 +122,9 @@ def plot_draft_tree(tree, kept, pass_of, tokenizer, opts):
 def plot_mask(mask, positions, cached_tail, tree_tokens):
     """The mask's last len(cached_tail) cached columns and every tree row and column, one query
     row (the deepest node) coloured by why it may look at each key."""
-    n_tree, shown, n_cached = len(tree_tokens), len(cached_tail), mask.shape[-1] - len(tree_tokens)
+    n_tree = len(tree_tokens)
+    shown = len(cached_tail)
+    n_prefix = mask.shape[-1] - n_tree
     image = (mask[0, 0, :, -(shown + n_tree) :] == 0).int()  # (n_tree, shown + n_tree)
     row = int(positions[0].argmax())  # the deepest node
     # 0 masked, 1 visible; the annotated row: 2 prefix, 3 ancestor, 4 self
@@ -130,29 +141,29 @@ def plot_mask(mask, positions, cached_tail, tree_tokens):
     rows = [f"{token} @{p}" for token, p in zip(tree_tokens, positions[0].tolist())]
     ax.set_yticks([y + 0.5 for y in range(n_tree)], rows, family="monospace")
     ax.axvline(shown, color="black", lw=1.5)
-    ax.set_xlabel(f"keys: the last {shown} of {n_cached} cached tokens | the root and kept nodes")
-    ax.set_ylabel("queries: the root and kept nodes, @ position id")
+    ax.set_xlabel(f"keys: the last {shown} of {n_prefix} cached tokens | the root and best nodes")
+    ax.set_ylabel("queries: the root and best nodes, @ position id")
     names = ["may attend", "prefix (the cache)", "its ancestors", "itself"]
     legend = [Patch(fc=c, ec="0.5", label=name) for c, name in zip(colours[1:], names)]
     title = f"row {row}: what {tree_tokens[row]!r} sees"
     ax.legend(handles=legend, title=title, loc="upper left", bbox_to_anchor=(1.01, 1))
-    ax.set_title(f"tree_mask for the tree above ({n_tree} tokens after {n_cached} cached)")
+    ax.set_title(f"tree_mask for the tree above ({n_tree} tokens after {n_prefix} cached)")
     return fig
 
 
 # ---- verification and acceptance ----
 
 
-def plot_verification(tree, kept, logits, path, bonus, tokenizer):
-    """The walk `accept` made: the target's greedy pick at each node on it, the accepted path
-    and the bonus token."""
-    kept_set, walk = {0, *kept}, [0, *path]
-    row_of = {node: i for i, node in enumerate([0, *kept])}  # each node's row of `logits`
-    pos = layered_layout(tree, kept_set)
+def plot_verification(tree, best, logits, path, bonus, tokenizer):
+    """The walk `accept` made over the `best` nodes: the target's greedy pick at each node on it,
+    the accepted path and the bonus token."""
+    walk = [0, *path]
+    row_of = {node: i for i, node in enumerate([0, *best])}  # each node's row of `logits`
+    pos = layered_layout(tree, set(row_of))
     # The bonus goes one depth past the path's last node, on a row of its own below the tree
     pos["bonus"] = (pos[walk[-1]][0] + 1, max(y for _, y in pos.values()) + 1)
     fig, ax = plt.subplots(figsize=(11, 6.4))
-    boxes, _, _ = draw_tree(ax, tree, kept_set, pos, tokenizer, only=set(walk))
+    boxes, _, _ = draw_tree(ax, tree, set(row_of), pos, tokenizer, only=set(walk))
     ax.plot(*zip(*[pos[node] for node in walk]), color="crimson", lw=4, zorder=2)
     ax.plot(*zip(pos[walk[-1]], pos["bonus"]), color="darkorange", lw=3, ls="--", zorder=2)
     token_box(ax, pos["bonus"], show(tokenizer, bonus), fc="gold", ec="darkorange", lw=2)
@@ -160,8 +171,10 @@ def plot_verification(tree, kept, logits, path, bonus, tokenizer):
     top = min(y for _, y in pos.values()) - 1.6
     for node in walk:
         boxes[node].get_bbox_patch().set(lw=2, ec="crimson")  # the walk's nodes outlined
-        pick, found = show(tokenizer, int(logits[row_of[node]].argmax())), node != walk[-1]
-        mark, ink = ("✓", "darkgreen") if found else ("✗", "darkorange")
+        pick = show(tokenizer, int(logits[row_of[node]].argmax()))
+        found = node != walk[-1]  # a child: the walk goes on
+        mark = "✓" if found else "✗"
+        ink = "darkgreen" if found else "darkorange"
         ax.text(pos[node][0], top, f"picks\n{pick} {mark}", weight="bold", color=ink, **CENTRED)
     ax.set_ylim(ax.get_ylim()[0], top - 0.7)
     check = "top row: the target's pick at each depth: a child ✓ or not ✗"
@@ -203,26 +216,26 @@ def plot_cost_model(passes, cost, measured, predicted, choice, title):
     left.legend()
 
     # The gain and the speed against the budget on a log scale, plain decoding (no tree) at 0
-    x = lambda budget: 1 + math.log2(budget) if budget else 0
     budgets = sorted(b for b in measured if b != "auto")
+    xs = [log_budget(b) for b in budgets]
     panels = [
         (middle, "tokens_per_step", "tokens per target pass", "Gain: tokens per step"),
         (right, "tokens_per_second", "tokens per second", "Speed: tokens/s, this CPU, in memory"),
     ]
     for i, (ax, figure, ylabel, title) in enumerate(panels):
         ys = [getattr(measured[b], figure) for b in budgets]
-        ax.plot([x(b) for b in budgets], ys, "o-", color="black", label="measured: fixed budget")
+        ax.plot(xs, ys, "o-", color="black", label="measured: fixed budget")
         ys = [p[i] for p in predicted.values()]
         label = "predicted by the cost model (depth 16, or b)"
-        ax.plot([x(b) for b in predicted], ys, "s--", color="tab:blue", label=label)
-        ax.set_xticks([x(b) for b in budgets], [str(b) if b else "plain" for b in budgets])
+        ax.plot([log_budget(b) for b in predicted], ys, "s--", color="tab:blue", label=label)
+        ax.set_xticks(xs, [str(b) if b else "plain" for b in budgets])
         ax.set(xlabel="budget (0: plain decoding)", ylabel=ylabel, title=title, ylim=(0, None))
     auto = measured["auto"]
     right.axhline(auto.tokens_per_second, color="tab:red", ls=":", label="auto, measured")
     budget, depth, steps = choice
     usual = f"budget {budget}, depth {depth}" if budget else "plain"
     label = f"auto's usual choice: {usual} ({steps} of {auto.steps} steps)"
-    right.plot(x(budget), auto.tokens_per_second, "*", color="tab:red", ms=16, label=label)
+    right.plot(log_budget(budget), auto.tokens_per_second, "*", color="tab:red", ms=16, label=label)
     right.set_ylim(0, max(right.get_ylim()[1], 1.1 * auto.tokens_per_second))  # auto's in view
     middle.legend(loc="lower right")
     right.legend(loc="lower left")

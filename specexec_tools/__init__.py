@@ -31,16 +31,18 @@ class OffloadError(ValueError):
     """Bad input to the offloader or a bad model folder: one line that says what and where."""
 
 
-# An exception's message on one line, for an error of ours to quote: all of it (transformers puts
-# the reason on a second line), cut at 300 characters; its type where it has none
-one_line = lambda err: " ".join(str(err).split())[:300] or type(err).__name__
+def one_line(err):
+    """An exception's message on one line, for an error of ours to quote: all of it (transformers
+    puts the reason on a second line), cut at 300 characters; its type where it has none."""
+    return " ".join(str(err).split())[:300] or type(err).__name__
 
 
 def check_options(opts):
     """Each of a specexec.Options' values, its type and range, in one line naming it; returns
     `opts`, each number as Python's own int or float (numpy's and Fraction fail deep in torch)."""
     for f in fields(opts):
-        value, integer = getattr(opts, f.name), f.type in (int, int | str, int | None)
+        value = getattr(opts, f.name)
+        integer = f.type in (int, int | str, int | None)
         if (f.name == "budget" and value == "auto") or (value is None and f.default is None):
             continue
         kind = numbers.Integral if integer else numbers.Real  # a bool is no count

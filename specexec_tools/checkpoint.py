@@ -41,12 +41,15 @@ def pread_into(fd: int, buffer: torch.Tensor, file_offset: int, path: Path, need
 
     pread may return short, so loop; a page-rounded read may also run into the end of the file.
     """
-    target, done, needed = memoryview(buffer.numpy()), 0, needed or len(buffer)
+    target = memoryview(buffer.numpy())
+    needed = needed or len(buffer)
+    done = 0
     while done < needed:
         try:
             got = os.preadv(fd, [target[done:]], file_offset + done)
         except OSError as err:
-            flags, direct = fcntl.fcntl(fd, fcntl.F_GETFL), getattr(os, "O_DIRECT", 0)
+            flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+            direct = getattr(os, "O_DIRECT", 0)
             if err.errno != errno.EINVAL or not flags & direct:
                 raise OffloadError(f"cannot read {path}: {err.strerror or err}") from None
             # a filesystem that took O_DIRECT at open and refuses the read (or a short read
@@ -92,7 +95,8 @@ def read_header(path: Path) -> dict[str, Entry]:
             }
         except (ValueError, KeyError, TypeError, AttributeError):
             raise OffloadError(f"corrupt safetensors shard {path}: header is not one") from None
-    entries, base = {}, 8 + length  # the header's offsets count from its end
+    base = 8 + length  # the header's offsets count from its end
+    entries = {}
     for name, (dtype, start, end, shape) in infos.items():
         if dtype not in DTYPES:
             raise OffloadError(f"{path}: tensor {name} has unsupported dtype {dtype}")
@@ -106,9 +110,11 @@ class Checkpoint:
     """The tensors of a model folder: safetensors shards (read by byte range) or .bin shards."""
 
     def __init__(self, folder: Path):
-        # entries: name -> Entry, where a safetensors tensor's bytes are; mapped: name -> a .bin
-        # tensor memory-mapped by torch.load; sources: model name -> how it is built (`name_as`)
-        self.folder, self.shards, self.entries, self.mapped, self.sources = folder, [], {}, {}, {}
+        self.folder = folder
+        self.shards = []
+        self.entries = {}  # name -> Entry: where a safetensors tensor's bytes are
+        self.mapped = {}  # name -> a .bin tensor, memory-mapped by torch.load
+        self.sources = {}  # model name -> how it is built (`name_as`)
         try:
             for weights in ("model.safetensors", "pytorch_model.bin"):  # safetensors' first
                 index = folder / f"{weights}.index.json"
@@ -242,8 +248,10 @@ class Checkpoint:
             raise OffloadError(f"{self.folder}: no decoder layers at model.layers to stream")
         return self.spec(names[0])[0]
 
-    # Decoder layer i's tensors, by their names inside the layer (`shapes`' keys), stored dtypes
-    layer = lambda self, i, shapes: {n: self.tensor(f"model.layers.{i}.{n}") for n in shapes}
+    def layer(self, i, shapes) -> dict:
+        """Decoder layer i's tensors, by their names inside the layer (`shapes`' keys), in their
+        stored dtypes."""
+        return {n: self.tensor(f"model.layers.{i}.{n}") for n in shapes}
 
     def layer_entries(self, i, shapes) -> dict:
         """Where the same tensors lie in the safetensors shards: an Entry each, None for one not
@@ -263,7 +271,8 @@ class Checkpoint:
 
 # ---- every weight the model asks for, and nothing else ----
 
-EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+EMBEDDING = "model.embed_tokens.weight"
+HEAD = "lm_head.weight"
 
 
 def ties_head(model: torch.nn.Module) -> bool:
@@ -301,6 +310,16 @@ def check_weights(ckpt: Checkpoint, model: torch.nn.Module) -> None:
 
 # ---- the ssd tier's files: the checkpoint's own, or a converted copy with one file per layer ----
 
+# What a converted copy promises, written once and reused by later runs:
+# - it is whole or absent: each file is written under a temporary name, then renamed
+#   (`write_then_rename`), and the manifest (each file's size and SHA-256) goes last; a copy is
+#   reused only where every file matches its manifest (`copy_damage`), else written again;
+# - two processes never write one copy: one run at a time writes into or checks the copies in
+#   offload_dir, under a lock on it (`locked`); a second run waits, then reuses the first's copy;
+# - an interrupted copy leaves nothing: a failure, Ctrl-C or SIGTERM while it is written removes
+#   its folder (`removed_if_unfinished`), and a copy the disk has no room for is refused before
+#   its first byte (`write_copy`).
+
 
 def ssd_layers(
     ckpt: Checkpoint, shapes: dict, n_layers: int, dtype, kind, offload_dir
@@ -308,14 +327,7 @@ def ssd_layers(
     """Where the ssd tier reads each decoder layer's tensors (name -> Entry, a dict per layer):
     the checkpoint's own safetensors where they will do (`copy_folder` None); else a copy with one
     safetensors file per layer, in `dtype` or quantized (kind "int8" or "int4", as
-    quantize.quantize_layer stores it), whose folder is returned too: written once, later runs
-    check the folder and reuse it.
-
-    The manifest goes last and records each file's size and SHA-256: a folder left by a failed
-    run (disk full, killed) is never taken for a finished one, and a copy damaged since (bytes
-    zeroed, files swapped) is written again. One run at a time writes into or checks a copy in
-    offload_dir (a lock on it): a second run waits, then reuses what the first wrote.
-    """
+    quantize.quantize_layer stores it), whose folder is returned too."""
     folder = copy_folder(ckpt, dtype, kind, offload_dir)  # "~/copies": in the home folder
     if folder is None:
         return [ckpt.layer_entries(i, shapes) for i in range(n_layers)], None
@@ -349,6 +361,11 @@ def copy_folder(ckpt: Checkpoint, dtype, kind, offload_dir) -> Path | None:
     return Path(offload_dir).expanduser() / name
 
 
+def copy_label(dtype, kind) -> str:
+    """int8-float16: int8 levels with float16 scales; float64: unquantized float64."""
+    return (f"{kind}-" if kind else "") + str(dtype).removeprefix("torch.")
+
+
 def check_offload_dir(offload_dir) -> None:
     """offload_dir, checked before anything is read: None (no copy can be written) or a path
     that is no file; "" is refused, not taken for the working directory."""
@@ -357,27 +374,6 @@ def check_offload_dir(offload_dir) -> None:
         raise OffloadError(f"offload_dir must be a path (the copy's folder), not {offload_dir!r}")
     if path and Path(offload_dir).expanduser().is_file():
         raise OffloadError(f"cannot write offload folder {offload_dir}: it is a file, not a folder")
-
-
-def copy_label(dtype, kind) -> str:
-    """int8-float16: int8 levels with float16 scales; float64: unquantized float64."""
-    return (f"{kind}-" if kind else "") + str(dtype).removeprefix("torch.")
-
-
-def check_removable(ckpt: Checkpoint, dtype, kind, offload_dir) -> None:
-    """--offload-clean, checked before the run rather than after it: the copy this run writes or
-    reuses in `offload_dir` (the CLI's --offload-dir, never None) can be removed again (its
-    folder, and the one holding it, are writable; a read-only offload_dir can hold a finished
-    copy, reused without a write). dtype None: the checkpoint's own."""
-    folder = copy_folder(ckpt, dtype or ckpt.dtype, kind, offload_dir)
-    if folder is None:
-        return  # the checkpoint's own files are read: no copy to remove
-    for where in (folder, folder.parent):
-        if where.exists() and not os.access(where, os.W_OK | os.X_OK):
-            raise OffloadError(
-                f"--offload-clean: the converted copy {folder} could not be removed after the "
-                f"run ({where} is read-only); drop --offload-clean or pass another --offload-dir"
-            )
 
 
 @contextmanager
@@ -433,15 +429,9 @@ def sha256(path: Path) -> str:
 
 
 def write_copy(ckpt, shapes, dtype, kind, folder: Path, manifest: dict, files: list, damage: str):
-    """Convert every layer into its file, then write the manifest; on any failure remove them.
-    Announced on stderr (`damage`: what is wrong with the copy there, "" if there is none), and
-    refused before the first byte where the disk has no room for it: a full disk would stop it
-    part-way, after minutes of writing.
-
-    Meanwhile SIGTERM (`kill`, a job scheduler's stop, a closing terminal's session) raises
-    Terminated, as Ctrl-C raises KeyboardInterrupt, so that a half-written copy is removed before
-    the process ends. Left alone where the program handles SIGTERM itself, and outside the main
-    thread (where Python cannot set a handler)."""
+    """Convert every layer into its file, then write the manifest. Announced on stderr (`damage`:
+    what is wrong with the copy there, "" if there is none), and refused before the first byte
+    where the disk has no room for it: a full disk would stop it part-way, after minutes."""
     from safetensors.torch import save
 
     stored = quantize.stored_layer(shapes, dtype, kind)  # meta: dtypes and shapes
@@ -462,10 +452,8 @@ def write_copy(ckpt, shapes, dtype, kind, folder: Path, manifest: dict, files: l
             "(reused next time; delete it to free the space)"
         )
     print(f"offload: {say}", file=sys.stderr)
-    sums, main = {}, threading.current_thread() is threading.main_thread()
-    if ours := main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        signal.signal(signal.SIGTERM, terminate)
-    try:
+    sums = {}  # file name -> [size, SHA-256], for the manifest
+    with removed_if_unfinished(folder):
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "manifest.json").unlink(missing_ok=True)  # unfinished until written again
         for i in tqdm(range(len(files)), desc=f"offload: converting layers into {folder}"):
@@ -473,7 +461,22 @@ def write_copy(ckpt, shapes, dtype, kind, folder: Path, manifest: dict, files: l
             write_then_rename(files[i], data)
             sums[files[i].name] = [len(data), hashlib.sha256(data).hexdigest()]
         write_then_rename(folder / "manifest.json", json.dumps(manifest | {"files": sums}).encode())
-    except BaseException as err:  # a full disk, Ctrl-C, SIGTERM: what was written only takes space
+
+
+@contextmanager
+def removed_if_unfinished(folder: Path):
+    """Remove `folder` if the block does not finish: a full disk, Ctrl-C, or SIGTERM (`kill`, a
+    job scheduler's stop, a closing terminal's session), which meanwhile raises Terminated as
+    Ctrl-C raises KeyboardInterrupt, and then still ends the process. SIGTERM is left alone
+    where the program handles it itself, and outside the main thread (where Python cannot set
+    a handler)."""
+    main = threading.current_thread() is threading.main_thread()
+    ours = main and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    if ours:
+        signal.signal(signal.SIGTERM, terminate)
+    try:
+        yield
+    except BaseException as err:  # what was written only takes space
         if ours:  # from here on SIGTERM ends the process again
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
         shutil.rmtree(folder, ignore_errors=True)
@@ -485,7 +488,7 @@ def write_copy(ckpt, shapes, dtype, kind, folder: Path, manifest: dict, files: l
 
 
 class Terminated(BaseException):
-    """SIGTERM, raised while a copy is being written (`write_copy`)."""
+    """SIGTERM, raised while a copy is being written (`removed_if_unfinished`)."""
 
 
 def terminate(signum, frame):
@@ -494,7 +497,7 @@ def terminate(signum, frame):
 
 def write_then_rename(path: Path, data: bytes) -> None:
     """Write `path` whole or not at all; a failed write's temporary file goes with the copy's
-    folder (write_copy)."""
+    folder (`removed_if_unfinished`)."""
     temporary = path.with_name(path.name + ".tmp")
     with open(temporary, "wb") as file:
         file.write(data)

@@ -185,7 +185,7 @@ class CostModel:
     """
 
     max_depth: int
-    budget: int = 32  # the first step's, before anything is measured (specexec.make_policy's)
+    budget: int = 32  # the first step's, before anything is measured (make_policy's)
     first_depth: int = 4  # the first tree's: few passes of a draft not yet timed; deeper as it pays
     draft_share: float = 0.0  # a draft pass's cost in target passes, before any is timed (weights)
     why: str = ""  # for the summary: why it decoded plainly from the start

@@ -31,6 +31,7 @@ from torch.nn.attention import SDPBackend
 
 from specexec_tools import OffloadError, SpecExecError, UnsupportedModel, one_line
 from specexec_tools.checkpoint import Checkpoint, check_weights, ties_head
+from specexec_tools.cost_model import draft_threads
 
 # How a model is handed its KV cache: transformers 5.24 renamed the forward's `past_key_values`
 # to `cache` (the old name warns on stderr, and goes in 5.40). Every call passes `**{CACHE: c}`.
@@ -117,7 +118,8 @@ def open_model(name) -> Opened:
 
     folder = find_folder(str(name))
     try:
-        config, generation = AutoConfig.from_pretrained(folder), None
+        config = AutoConfig.from_pretrained(folder)
+        generation = None
         if (folder / "generation_config.json").is_file():
             generation = GenerationConfig.from_pretrained(folder)
     except Exception as err:  # transformers checks values as it reads them, with its own errors
@@ -161,7 +163,7 @@ def skeleton(config, folder: Path, dtype=None) -> torch.nn.Module:
     return model
 
 
-# ---- how a pass runs: its attention kernels, its clock and threads ----
+# ---- how a pass runs: its attention kernels; a step's clock and threads ----
 
 # The attention kernels a pass may use (specexec.decode_loop): all of torch's but cuDNN's, which
 # plans a graph for each new shape of query, keys and mask, and here every pass's shape is new
@@ -171,25 +173,50 @@ ATTENTION_KERNELS = [k for name, k in SDPBackend.__members__.items() if "CUDNN" 
 ATTENTION_KERNELS.remove(SDPBackend.ERROR)
 
 
-@contextmanager
-def timed(device, threads=None):
-    """Time a block of passes (on a GPU, until its work is done), on `threads` CPU threads (0: as
-    set; specexec's step gives the draft's, cost_model.draft_threads): a small draft's pass is a
-    few small matmuls, and on a busy CPU more threads wait for each other (docs/results.md).
-    Yields a function that gives the seconds once it ends."""
-    device, before = torch.device(device), torch.get_num_threads()
-    sync = torch.cuda.current_stream(device).synchronize if device.type == "cuda" else lambda: 0
-    if threads and device.type == "cpu":
-        torch.set_num_threads(threads)
-    seconds = []
-    try:
-        sync()
-        start = time.perf_counter()
-        yield lambda: seconds[0]
-        sync()
-        seconds.append(time.perf_counter() - start)
-    finally:
-        torch.set_num_threads(before)
+class Clock:
+    """Where a step's seconds go (specexec.speculative_step), set once for a run: its draft phase
+    (the tree), on the draft's CPU threads where it drafts (cost_model.draft_threads: a small
+    draft's pass is a few small matmuls, and on a busy CPU more threads wait for each other,
+    docs/results.md), its target phase (the pass and acceptance), each until its device's work
+    is done (on a GPU, its queue), and the whole step from its draft phase on."""
+
+    def __init__(self, target, draft, opts):
+        self.target_device = torch.device(target.device)
+        self.draft_device = torch.device("cpu" if draft is None else draft.device)
+        self.draft_threads = None if draft is None else draft_threads(opts, draft)
+        self.seconds = {}  # the step's phases: draft_s, target_s
+
+    def draft(self, budget):
+        """The step's first phase: its clock starts here (a plain step keeps the threads)."""
+        self.start = time.perf_counter()
+        return self.phase("draft_s", self.draft_device, self.draft_threads if budget else None)
+
+    def target(self):
+        return self.phase("target_s", self.target_device)
+
+    @contextmanager
+    def phase(self, name, device, threads=None):
+        before = torch.get_num_threads()
+        if threads and device.type == "cpu":  # 0 or None: as set
+            torch.set_num_threads(threads)
+        try:
+            synchronize(device)
+            start = time.perf_counter()
+            yield
+            synchronize(device)
+            self.seconds[name] = time.perf_counter() - start
+        finally:
+            torch.set_num_threads(before)
+
+    def step_seconds(self):
+        """The step's phases, and all of it until now (draft_s, target_s, total_s)."""
+        return self.seconds | {"total_s": time.perf_counter() - self.start}
+
+
+def synchronize(device):
+    """Wait for the work queued on a GPU (a CPU's is done when its call returns)."""
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
 # ---- how far back each layer looks: heard from the layers themselves ----
@@ -224,7 +251,8 @@ def listen_to_layers(config):
     refused in one line."""
     from transformers import AttentionInterface, AutoModelForCausalLM, DynamicCache
 
-    family, n_layers = config.model_type, config.num_hidden_layers
+    family = config.model_type
+    n_layers = config.num_hidden_layers
     given = torch.zeros(1, 1, 1, 1, device="meta")  # (1, 1, 1, 1): the 4D mask we pass
     heard = {}  # layer index -> (the window it passes, whether it got our mask)
 
@@ -292,7 +320,8 @@ def config_fault(config) -> str | None:
     fields = config.attribute_map  # the names a config answers to -> the field it stores
     experts = {fields.get(n, n) for n in ("num_local_experts", "num_experts", "n_routed_experts")}
     for name in sorted(n for n in experts if getattr(config, n, None) is not None):  # those set
-        count, per_token = getattr(config, name), getattr(config, "num_experts_per_tok", None)
+        count = getattr(config, name)
+        per_token = getattr(config, "num_experts_per_tok", None)
         if isinstance(count, bool) or not isinstance(count, int):
             return f"{name} is {count!r}, not a count"
         if count < 1:
@@ -346,7 +375,8 @@ def preflight(target, draft, input_ids, eos_token_id=None, tokenizers=None):
                 f"got {type(model).__name__}"
             )
     if tokenizers is not None:  # ids must name the same strings in both, or drafting means nothing
-        t_vocab, d_vocab = tokenizers[0].get_vocab(), tokenizers[1].get_vocab()
+        t_vocab = tokenizers[0].get_vocab()
+        d_vocab = tokenizers[1].get_vocab()
         if t_vocab != d_vocab:
             differ = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=lambda kv: kv[1])
             raise SpecExecError(

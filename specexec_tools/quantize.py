@@ -4,8 +4,8 @@ When a target streams from RAM or disk, the bytes of its decoder layers set the 
 Stored in 8 or 4 bits, the linear layers' weights move about 2x or 3.8x fewer bytes than in
 float16; the device turns them back into compute-dtype weights as they land, and the Hugging Face
 layer runs on those unchanged. The model computed is therefore exactly the model whose weights are
-`dequantize(*quantize(w))`: the tests hold the offloaded model against that one, and README
-measures what it costs against the full model.
+`dequantize(*quantize(w))`: the tests hold the offloaded model against that one, and
+docs/results.md ("Quantized layers") measures what it costs against the full model.
 
 | kind | level q (one per weight)                            | scale (w ~ q * scale)          |
 | ---- | --------------------------------------------------- | ------------------------------ |
@@ -67,9 +67,10 @@ def quantize(weight: torch.Tensor, kind: str, dtype: torch.dtype):
     return nibbles[:, 0::2] | nibbles[:, 1::2] << 4, scale.squeeze(-1)  # (out, in // 2)
 
 
-# (out, in // 2) -> (out, in) uint8 values 0..15, in input order (dequantize writes them straight
-# into its output instead)
-unpack_nibbles = lambda packed: torch.stack((packed & 15, packed >> 4), dim=-1).flatten(1)
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """(out, in // 2) -> (out, in) uint8 values 0..15, in input order (dequantize writes them
+    straight into its output instead)."""
+    return torch.stack((packed & 15, packed >> 4), dim=-1).flatten(1)
 
 
 # ---- dequantize: levels and scales back to compute-dtype weights ----
@@ -82,9 +83,10 @@ def dequantize(levels: torch.Tensor, scale: torch.Tensor, kind: str, out=None) -
     floats on CUDA), are cast as they are written into `out`; then - 8 and * scale pass over it,
     eager torch having no one kernel for (q - 8) * scale.
     One CPU core does roughly 0.5-1 billion weights a second: slower than the float16 bytes it
-    saves arrive there (README).
+    saves arrive there (docs/results.md, "Quantized layers").
     """
-    rows, cols = levels.shape[0], levels.shape[1] * (2 if kind == "int4" else 1)
+    rows = levels.shape[0]
+    cols = levels.shape[1] * (2 if kind == "int4" else 1)
     if out is None:
         out = torch.empty(rows, cols, dtype=scale.dtype, device=scale.device)  # (out, in)
     grouped = out.view(rows, scale.numel() // rows, -1)  # (out, groups, group size)
@@ -92,7 +94,8 @@ def dequantize(levels: torch.Tensor, scale: torch.Tensor, kind: str, out=None) -
         out.view(rows, cols).copy_(levels)  # integers to floats: exact; out may be stacked
     else:  # low nibbles straight into the even inputs, high into the odd: nothing unpacked
         pairs = out.view(rows, cols // 2, 2)  # (out, in // 2, 2)
-        pairs[..., 0], pairs[..., 1] = levels & 15, levels >> 4  # (out, in // 2) bytes, then floats
+        pairs[..., 0] = levels & 15  # (out, in // 2) bytes, then floats
+        pairs[..., 1] = levels >> 4
         grouped.sub_(8)  # the nibbles hold q + 8
     grouped.mul_(scale.view(rows, -1, 1))  # the one rounding
     return out
