@@ -383,14 +383,12 @@ class LayerRing:
 
     def drain(self) -> None:
         """Back to the start state, nothing loaded: the slot in use released, and every load
-        issued has run (the reader's, queued or not: it runs them in turn) and is forgotten. A
-        dropped load's slot is refilled only after it ran (its dequantizing reads the slot)."""
+        issued has run (the reader's, queued or not: it runs them in turn) and is forgotten. (On
+        a device, a dropped load's copies and dequantizing still queued come before the next
+        load's into that slot on their streams: the last to write its weights is the next.)"""
         if self.in_use is not None:
             self.release()
         self.reader.submit(lambda: None).result()  # every load handed to the reader has run
-        for load in self.queue:
-            if load.issued.exception() is None:  # a failed one issued no dequantizing
-                self.freed[load.slot] = load.issued.result()
         self.queue.clear()
 
     def close(self) -> None:
