@@ -17,6 +17,7 @@ import math
 import operator
 import os
 import random
+import re
 import tempfile
 import threading
 import time
@@ -346,6 +347,42 @@ def test_o_direct_read_errors_fall_back_to_buffered_reads(checkpoints, monkeypat
     with pytest.raises(offload.OffloadError, match="cannot read .*: Input/output error") as e:
         offload.from_pretrained(folder, mode="ssd", device="cpu")
     assert "\n" not in str(e.value)
+
+
+def test_a_read_that_fails_part_way_through_a_pass_is_one_line_and_the_next_pass_exact(
+    checkpoints, monkeypatch
+):
+    """The disk failing once (EIO) at each read a pass makes, in the reader thread, part-way
+    through a layer: one OffloadError line naming the file, in that pass or, where the read was
+    the next pass's first layer prefetched at the end of this one, in the next; then the model
+    is usable: the pass after equals the in-memory model's."""
+    real_preadv, reads, failing = os.preadv, itertools.count(), None
+
+    def preadv(fd, buffers, offset):
+        if next(reads) == failing:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_preadv(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "preadv", preadv)
+    folder, oracle = checkpoints["llama"]
+    ids = torch.randint(97, (1, 7), generator=torch.Generator().manual_seed(8))
+    want = oracle(ids).logits
+    with offload.from_pretrained(folder, mode="ssd", device="cpu") as model:
+        model(ids)
+        reads = itertools.count()
+        model(ids)
+        per_pass = next(reads)
+        assert per_pass > 3
+        for failing in range(per_pass):
+            reads, said = itertools.count(), []
+            for _ in range(2):
+                try:
+                    model(ids)
+                except offload.OffloadError as error:
+                    said.append(str(error))
+            assert len(said) == 1 and "\n" not in said[0], said
+            assert re.search(r"cannot read .*safetensors: Input/output error", said[0]), said
+            torch.testing.assert_close(model(ids).logits, want, rtol=1e-5, atol=1e-5)
 
 
 # ---- conversion: a per-layer offload folder when the checkpoint cannot be read as it is ----
