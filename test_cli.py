@@ -336,6 +336,7 @@ def test_bad_options_fail_in_one_line(tmp_path):
     mamba, no_window = tmp_path / "mamba", tmp_path / "no_window"  # refused by a check
     mamba.mkdir()
     (mamba / "config.json").write_text(json.dumps({"model_type": "mamba", "num_hidden_layers": 2}))
+    shutil.copy(Path(good) / "model.safetensors", mamba)  # read first: a layer count to check
     shutil.copytree(good, no_window)
     edit_json(no_window / "config.json", model_type="mistral", sliding_window=0)
     wider = save_tiny(tmp_path / "wider", vocab=80)  # the same 64 words over 80 embedding rows
