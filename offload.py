@@ -107,8 +107,11 @@ class OffloadedCausalLM(nn.Module):
         try:
             out = self.hf(input_ids.to(self.device), **kwargs)  # logits (batch, q, vocab)
             self.ring.prefetch_first()  # the next pass's first layers load behind the draft
+            self.ring.whole = True  # what it prefetched for the next pass stays
         finally:
             self.streamed.release()  # after an exception, the layer it left bound
+            if not self.ring.whole:  # stopped part-way (an exception, Ctrl-C): none of it stays
+                self.ring.drain()
             self.stats.bytes_moved = sum(self.layouts[i].nbytes for i, *_ in self.streamed.waits)
         # one host wait per pass, not per layer: pass_s then counts the device's work too, and
         # every event of the pass has passed, so the device's own times can be read
@@ -348,13 +351,16 @@ class LayerRing:
         self.after = dict(zip(self.order, self.order[ahead:] + self.order[:ahead]))
         self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-reader")
         # queue: Loads in the order they will be used, not yet handed out; in_use: the Load handed
-        # out by wait(), not yet released
-        self.queue, self.in_use, self.next_slot = deque(), None, 0
+        # out by wait(), not yet released; whole: the last pass ran to its end (see start_pass)
+        self.queue, self.in_use, self.whole = deque(), None, True
 
     def start_pass(self) -> None:
-        """Keep what the last pass prefetched for its first layers, drop an interrupted pass's."""
-        if self.queue and self.queue[0].layer != self.order[0]:
+        """Keep what the last pass prefetched for its first layers; start from nothing loaded
+        after a pass that stopped part-way (even in its own clean-up: a second Ctrl-C), or one
+        over fewer layers."""
+        if not self.whole or (self.queue and self.queue[0].layer != self.order[0]):
             self.drain()
+        self.whole = False  # until this pass has run to its end
         self.prefetch_first()
 
     def prefetch_first(self) -> None:
@@ -367,7 +373,10 @@ class LayerRing:
         if any(load.layer == layer for load in self.queue):
             return
         assert len(self.queue) + (self.in_use is not None) < len(self.slots), "the ring is full"
-        slot, self.next_slot = self.next_slot, (self.next_slot + 1) % len(self.slots)
+        # the slot after the newest one taken, read off the loads themselves: a Ctrl-C anywhere
+        # in here leaves no slot counted as taken that no load holds, or held but counted free
+        newest = self.queue[-1] if self.queue else self.in_use
+        slot = 0 if newest is None else (newest.slot + 1) % len(self.slots)
         issue = partial(self._load, layer, slot, self.freed[slot])
         if self.ops.queues and not self.storage.reads_ssd:
             # RAM to a GPU: the copy is only queued, so it is issued here. On the reader thread
@@ -399,14 +408,18 @@ class LayerRing:
         self.freed[self.in_use.slot], self.in_use = self.ops.record("compute"), None
 
     def drain(self) -> None:
-        """Let loads in flight finish and forget them: the next pass starts cold."""
-        concurrent.futures.wait([load.issued for load in self.queue])
+        """Back to the start state, nothing loaded: the slot in use released, and every load
+        issued has run (the reader's, queued or not: it runs them in turn) and is forgotten. (On
+        a device, a dropped load's copies and dequantizing still queued come before the next
+        load's into that slot on their streams: the last to write its weights is the next.)"""
+        if self.in_use is not None:
+            self.release()
+        self.reader.submit(lambda: None).result()  # every load handed to the reader has run
         self.queue.clear()
 
     def close(self) -> None:
         """Given back in order: loads issued, the host memory they read, the streams; then slots."""
-        self.drain()
-        self.reader.shutdown()
+        self.reader.shutdown()  # once every load handed to it has run
         self.storage.close()
         self.ops.close()
 

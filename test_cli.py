@@ -336,6 +336,7 @@ def test_bad_options_fail_in_one_line(tmp_path):
     mamba, no_window = tmp_path / "mamba", tmp_path / "no_window"  # refused by a check
     mamba.mkdir()
     (mamba / "config.json").write_text(json.dumps({"model_type": "mamba", "num_hidden_layers": 2}))
+    shutil.copy(Path(good) / "model.safetensors", mamba)  # read first: a layer count to check
     shutil.copytree(good, no_window)
     edit_json(no_window / "config.json", model_type="mistral", sliding_window=0)
     wider = save_tiny(tmp_path / "wider", vocab=80)  # the same 64 words over 80 embedding rows
@@ -445,7 +446,7 @@ MESSAGES = {
     "index naming a missing shard": "missing checkpoint shard",
     "corrupt bin": "corrupt checkpoint shard",
     "wrong shapes": "weights of another shape",
-    "more layers than the checkpoint": "lacks 9 weights its config.json asks for",
+    "more layers than the checkpoint": "num_hidden_layers 3, but the checkpoint holds 2 decoder",
     "fewer layers than the checkpoint": "holds 9 weights its config.json has no place for",
     "junk tensor": "holds 1 weights its config.json has no place for (junk)",
     "tied head conflict": "ties lm_head to the embedding (tie_word_embeddings), but the",
@@ -818,6 +819,32 @@ def test_sigterm_while_converting_removes_the_half_written_copy(tmp_path):
     _, err = process.communicate(timeout=300)
     assert process.returncode == -signal.SIGTERM, err[-2000:]
     assert list(copies.iterdir()) == [], err[-2000:]
+
+
+def test_sigterm_during_a_pass_leaves_the_copy_whole(tmp_path, capsys):
+    """SIGTERM while a run streams its finished copy (generating, mid-pass most likely): the
+    process ends by SIGTERM, the copy's files as they were, and the next run reuses it."""
+    import offload
+
+    model = save_tiny(tmp_path / "model", max_position_embeddings=4096)
+    copies = tmp_path / "copies"
+    ssd = dict(mode="ssd", dtype="float64", offload_dir=copies)
+    offload.from_pretrained(model, **ssd).close()
+    written = {path: path.read_bytes() for path in copies.rglob("*") if path.is_file()}
+    process = start_cli(
+        "--target", model, "--draft", "none", "--prompt", "w1", "--max-new-tokens", "4000",
+        "--offload", "ssd", "--dtype", "float64", "--offload-dir", str(copies),
+    )  # fmt: skip
+    seen = b""
+    while seen.count(b" ") < 20 and (chunk := process.stdout.read1(4096)):  # well under way
+        seen += chunk
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=300)
+    assert process.returncode == -signal.SIGTERM, err[-2000:]
+    capsys.readouterr()
+    assert {path: path.read_bytes() for path in copies.rglob("*") if path.is_file()} == written
+    offload.from_pretrained(model, **ssd).close()
+    assert "writing" not in capsys.readouterr().err  # reused as it is: whole
 
 
 def test_bad_input_with_stderr_on_a_full_device_still_exits_2(tmp_path):

@@ -206,7 +206,7 @@ def test_the_root_states_the_brief_and_the_library_reads_one_way():
     assert first <= 150
     serve = HERE / "specexec_app" / "serve.py"  # issue 62's --serve: a budget of its own
     assert code_lines(serve) <= 200
-    assert sum(code_lines(path) for path in files if path != serve) <= 2500
+    assert sum(code_lines(path) for path in files if path != serve) <= 2650
 
 
 # ---- plain over short ----

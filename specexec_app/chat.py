@@ -4,10 +4,12 @@ Each user turn joins the conversation, which is rendered whole (`tokenize`: the 
 template, or the turns in a row where it has none). `Chat` feeds the models only what their
 caches lack and keeps budget auto's cost model from turn to turn; the answer streams. On the
 command line a turn is a line of standard input (on a terminal, typed at the `>` prompt); Ctrl-C
-stops an answer, /new starts the conversation over, EOF or /exit ends it.
+stops an answer (at the prompt, the run: exit 130), /new starts the conversation over, EOF or
+/exit ends it.
 """
 
 import re
+import signal
 import sys
 
 import specexec
@@ -43,13 +45,15 @@ class Chat:
         held = self.seq[:-1]
         shared = next((i for i, (a, b) in enumerate(zip(held, seq)) if a != b), len(held))
         reused = min(shared, len(seq) - 1) if self.caches else 0
-        run = specexec.Run(self.target, self.draft, opts, limit)  # rng seeded anew: a fresh run
-        if self.caches is not None:
-            run.target_cache, run.draft_cache = self.caches
-            for cache in self.caches:
-                crop(cache, reused)
-        self.seq = []  # until the turn ends well: what the caches hold is open
+        # until the turn ends well, what the caches hold is open (a Ctrl-C in a crop, say)
+        caches = self.caches
+        self.seq = []
         self.caches = None
+        run = specexec.Run(self.target, self.draft, opts, limit)  # rng seeded anew: a fresh run
+        if caches is not None:
+            run.target_cache, run.draft_cache = caches
+            for cache in caches:
+                crop(cache, reused)
         new_tokens, stats = specexec.decode_loop(run, seq, self.policy, eos, on_tokens)
         # The caches may hold tokens past a stop (an EOS inside an accepted path): cut them, so
         # that they hold `seq` but its last token, as after any step.
@@ -81,6 +85,7 @@ def talk(chat, tokenizer, folder, args, eos, stream, dim, summary):
         how = "told to use no" if args.chat_template == "off" else "no"
         rows = "each turn goes on a new line after the text so far"
         print(dim(f"chat: {folder}: {how} chat template; {rows}"))
+    _, limit, _ = models.preflight(chat.target, chat.draft, None)  # the context, in tokens
     messages = []
     for turn in turns(args.prompt):
         if turn == "/new":
@@ -90,14 +95,17 @@ def talk(chat, tokenizer, folder, args, eos, stream, dim, summary):
         messages.append({"role": "user", "content": turn})
         try:
             input_ids = tokenize(tokenizer, messages, args.chat_template, folder)
+            if len(input_ids) >= limit:  # the whole conversation's tokens, not only this turn's
+                raise SpecExecError(
+                    f"with this turn the conversation is {len(input_ids)} tokens; the context "
+                    f"holds {limit}: send a shorter turn, or /new to start over"
+                )
             tokens, stats = chat.generate(input_ids, eos_token_id=eos, on_tokens=stream(tokenizer))
             answer = tokenizer.decode(tokens, skip_special_tokens=True)
             print("\n" + dim(f"specexec: {summary(stats)}"), flush=True)
             messages.append({"role": "assistant", "content": answer})
         except SpecExecError as error:  # this turn, refused; the conversation goes on
             messages.pop()
-            if "the context holds" in str(error):
-                error = f"{error}: send a shorter turn, or /new to start over"
             print(f"error: {error}", file=sys.stderr, flush=True)
         except KeyboardInterrupt:  # Ctrl-C stops this answer: as if the turn was never sent
             messages.pop()
@@ -105,9 +113,10 @@ def talk(chat, tokenizer, folder, args, eos, stream, dim, summary):
 
 
 def turns(first=None):
-    """The user's turns: `first`, then lines of standard input until EOF, /exit or Ctrl-C at the
-    prompt. On a terminal each is typed at a `>` prompt; from a pipe each is echoed after `>`
-    (a long one cut), so the output reads as the conversation. Windows line ends read as "\\n"."""
+    """The user's turns: `first`, then lines of standard input until EOF or /exit (Ctrl-C there
+    ends the run as it does outside a chat: exit 130). On a terminal each is typed at a `>`
+    prompt; from a pipe each is echoed after `>` (a long one cut), so the output reads as the
+    conversation. Windows line ends read as "\\n"."""
     if first is not None:
         print(f"> {first}", flush=True)
         yield first
@@ -115,7 +124,7 @@ def turns(first=None):
     if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8: refused turn by turn
         sys.stdin.reconfigure(errors="surrogateescape")
     while True:
-        try:  # Ctrl-C while a turn is read (at the prompt, or as it is echoed) ends the chat
+        try:
             line = input("> ") if terminal else sys.stdin.readline()
             if line.strip() == "/exit" or not (terminal or line):  # /exit, or the pipe's end
                 return
@@ -127,7 +136,7 @@ def turns(first=None):
                 shown = raw.decode(errors="backslashreplace")
                 shown = "".join(c if c.isprintable() else ascii(c)[1:-1] for c in shown)
                 print(f"> {shown}{'...' * (len(line) > 200)}", flush=True)
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:
             return
         yield line.strip() if line.strip() == "/new" else line
 
@@ -178,8 +187,33 @@ def tokenize(tokenizer, prompt, chat_template, folder):
         for i, message in enumerate(messages):  # each user turn but a first on a new line
             text += ("\n" if message["role"] == "user" and i else "") + message["content"]
         return tokenizer(text)["input_ids"]
-    try:  # transformers 5 returns a BatchEncoding, which is no dict: ask for input_ids by name
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    try:
+        text = render(tokenizer, messages)
     except Exception as error:  # a template is a program (Jinja) and can fail in any way
         raise SpecExecError(f"{folder}: its chat template fails ({one_line(error)})") from None
-    return list(encoded["input_ids"])
+    if len(text) > RENDER_CHARS:
+        raise SpecExecError(f"{folder}: its chat template renders {len(text):,} characters")
+    return tokenizer(text, add_special_tokens=False)["input_ids"]  # as apply_chat_template does
+
+
+# A chat template's rendering, bounded (transformers bounds neither): the seconds it may take, and
+# the characters it may give (a template that renders that much is broken, not a conversation)
+RENDER_S = 5.0
+RENDER_CHARS = 2**24
+
+
+def render(tokenizer, messages) -> str:
+    """The chat template's text for `messages`, stopped by a timer's signal after RENDER_S
+    seconds (a template is a program, and may loop for ever); on the main thread, where the
+    command line runs and Python handles signals."""
+    previous = signal.signal(signal.SIGALRM, stop_rendering)
+    signal.setitimer(signal.ITIMER_REAL, RENDER_S)
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def stop_rendering(signum, frame):
+    raise TimeoutError(f"it did not finish rendering in {RENDER_S:g} s")

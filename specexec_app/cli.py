@@ -19,7 +19,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import specexec
-from specexec_tools import OffloadError, SpecExecError, one_line
+from specexec_tools import OffloadError, SpecExecError, expanded, one_line
 
 CLONE = Path(__file__).resolve().parent.parent  # a clone: models/ holds the project's own pair
 RESET = "\033[0m"
@@ -165,7 +165,7 @@ def check_flags(args):
         ((args.device_memory or 0) < 0, f"--device-memory {args.device_memory}: a size in GB, "
          "at least 0"),
         (str(folder) in ("", "."), "--offload-dir is empty: name a folder for the copy"),
-        (folder.expanduser().is_file(), f"--offload-dir {folder} is a file, not a folder"),
+        (expanded(folder).is_file(), f"--offload-dir {folder} is a file, not a folder"),
         (args.chat and args.compare, "--chat and --compare: compare a one-prompt run instead"),
         (args.serve and (args.chat or args.compare or args.prompt is not None),
          "--serve takes its prompts from requests: not with --chat, --compare or --prompt"),
@@ -281,7 +281,7 @@ def run(args):
             loaded[0] = offload.from_pretrained(
                 target, mode=args.offload, device=offload.Cpu(args.link) if args.link else device,
                 dtype=dtype, quantize=args.quantize,
-                offload_dir=args.offload_dir.expanduser(), device_memory=memory, context=context,
+                offload_dir=args.offload_dir, device_memory=memory, context=context,
             )  # fmt: skip
         else:
             loaded[0] = models.load(target, device, dtype)

@@ -17,6 +17,7 @@ import math
 import numbers
 import os
 from dataclasses import fields
+from pathlib import Path
 
 
 class SpecExecError(ValueError):
@@ -29,6 +30,14 @@ class UnsupportedModel(SpecExecError):
 
 class OffloadError(ValueError):
     """Bad input to the offloader or a bad model folder: one line that says what and where."""
+
+
+def expanded(path) -> Path:
+    """`path` with a leading ~ or ~user read as that home folder; one line where there is none."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:  # ~user of no such user, or ~ without a HOME
+        raise OffloadError(f"{path}: no home folder for {Path(path).parts[0]}") from None
 
 
 def one_line(err):

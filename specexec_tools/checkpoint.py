@@ -14,7 +14,6 @@ import hashlib
 import json
 import math
 import os
-import pickle
 import shutil
 import signal
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from specexec_tools import OffloadError, one_line, quantize
+from specexec_tools import OffloadError, expanded, one_line, quantize
 
 # One tensor of a safetensors file, as the file's header describes it; start and end: absolute
 # byte offsets in the file
@@ -80,7 +79,11 @@ DTYPES |= {"I8": torch.int8, "U8": torch.uint8}  # quantized levels (quantize.py
 
 
 def read_header(path: Path) -> dict[str, Entry]:
-    """Parse a safetensors header (8-byte little-endian length + JSON); check the file is whole."""
+    """Parse a safetensors header (8-byte little-endian length + JSON) and check it as the
+    safetensors library does: in the order of their offsets, each tensor's bytes start where the
+    last one's end and are exactly its shape's in its dtype, and the last end at the file's end.
+    (A range shorter than its tensor streamed the next one's bytes as weights; two tensors on
+    one range ran as if all was well.)"""
     size = path.stat().st_size
     with open(path, "rb") as file:
         length = int.from_bytes(file.read(8), "little")
@@ -93,17 +96,44 @@ def read_header(path: Path) -> dict[str, Entry]:
             infos = {
                 n: (d, int(a), int(b), tuple(map(int, s))) for n, (d, (a, b), s) in infos.items()
             }
-        except (ValueError, KeyError, TypeError, AttributeError):
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             raise OffloadError(f"corrupt safetensors shard {path}: header is not one") from None
     base = 8 + length  # the header's offsets count from its end
     entries = {}
-    for name, (dtype, start, end, shape) in infos.items():
+    end = 0  # where the tensors so far end: each must start there (the safetensors library's rule)
+    for name, (dtype, start, stop, shape) in sorted(infos.items(), key=lambda item: item[1][1:3]):
         if dtype not in DTYPES:
             raise OffloadError(f"{path}: tensor {name} has unsupported dtype {dtype}")
-        entries[name] = Entry(path, DTYPES[dtype], shape, base + start, base + end)
-    if (last := max((entry.end for entry in entries.values()), default=0)) > size:
-        raise OffloadError(f"truncated safetensors shard {path}: {size} bytes, header says {last}")
+        nbytes = math.prod(shape) * DTYPES[dtype].itemsize
+        if start != end or stop - start != nbytes or min(shape, default=0) < 0:
+            raise OffloadError(
+                f"corrupt safetensors shard {path}: tensor {name} lies at bytes {start}..{stop}, "
+                f"not {end}..{end + nbytes} ({dtype} {list(shape)}, after the one before it)"
+            )
+        entries[name] = Entry(path, DTYPES[dtype], shape, base + start, base + stop)
+        end = stop
+    if base + end > size:
+        raise OffloadError(
+            f"truncated safetensors shard {path}: {size} bytes, header says {base + end}"
+        )
+    if base + end < size:
+        raise OffloadError(
+            f"corrupt safetensors shard {path}: {size - base - end} bytes after its last tensor"
+        )
     return entries
+
+
+def index_shards(index: Path) -> list[Path]:
+    """The shards a checkpoint index (model.safetensors.index.json) names: files of its own
+    folder, by name (no ../.., absolute path or another folder's file, opened and unpickled)."""
+    try:  # "metadata" (the total size) is optional: the weight map is what we read
+        files = set(json.loads(index.read_text())["weight_map"].values())
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        raise OffloadError(f"corrupt checkpoint index {index}") from None
+    for file in files:
+        if not isinstance(file, str) or file in ("", "..") or Path(file).name != file:
+            raise OffloadError(f"corrupt checkpoint index {index}: {file!r} is no file name")
+    return sorted(index.parent / file for file in files)
 
 
 class Checkpoint:
@@ -119,11 +149,7 @@ class Checkpoint:
             for weights in ("model.safetensors", "pytorch_model.bin"):  # safetensors' first
                 index = folder / f"{weights}.index.json"
                 if index.exists():
-                    try:  # "metadata" (the total size) is optional: the weight map is what we read
-                        files = json.loads(index.read_text())["weight_map"].values()
-                    except (ValueError, KeyError, TypeError, AttributeError):
-                        raise OffloadError(f"corrupt checkpoint index {index}") from None
-                    self.shards = sorted({folder / file for file in files})
+                    self.shards = index_shards(index)
                 elif (folder / weights).exists():
                     self.shards = [folder / weights]
                 if self.shards:
@@ -140,7 +166,9 @@ class Checkpoint:
                 mmap = zipfile.is_zipfile(shard)
                 try:
                     self.mapped.update(torch.load(shard, mmap=mmap, weights_only=True))
-                except (RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as err:
+                except OSError:
+                    raise  # unreadable: said below
+                except Exception as err:  # an unpickler fails in many ways on what it cannot read
                     reason = one_line(err) if mmap else "no zip, nor a legacy torch.save of tensors"
                     raise OffloadError(f"corrupt checkpoint shard {shard}: {reason}") from None
         except OSError as err:  # unreadable (a hub cache file of mode 600 that is not ours)
@@ -289,7 +317,7 @@ def check_weights(ckpt: Checkpoint, model: torch.nn.Module) -> None:
     want = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     have = {name: ckpt.spec(name)[1] for name in ckpt.names()}
     if ties_head(model):
-        del want[HEAD]
+        want.pop(HEAD, None)  # a family of another name (config.json's model_type) has none
         if (head := have.pop(HEAD, None)) is not None and not (  # a stored head: the embedding?
             head == have.get(EMBEDDING) and torch.equal(ckpt.tensor(HEAD), ckpt.tensor(EMBEDDING))
         ):
@@ -358,7 +386,7 @@ def copy_folder(ckpt: Checkpoint, dtype, kind, offload_dir) -> Path | None:
     if offload_dir is None:
         raise OffloadError(f"{ckpt.folder} needs a one-time conversion for ssd; pass offload_dir")
     name = f"{ckpt.folder.name}-{ckpt.fingerprint()}-{copy_label(dtype, kind)}"
-    return Path(offload_dir).expanduser() / name
+    return expanded(offload_dir) / name
 
 
 def copy_label(dtype, kind) -> str:
@@ -372,7 +400,7 @@ def check_offload_dir(offload_dir) -> None:
     path = isinstance(offload_dir, str | os.PathLike) and os.fspath(offload_dir).strip()
     if offload_dir is not None and not path:
         raise OffloadError(f"offload_dir must be a path (the copy's folder), not {offload_dir!r}")
-    if path and Path(offload_dir).expanduser().is_file():
+    if path and expanded(offload_dir).is_file():
         raise OffloadError(f"cannot write offload folder {offload_dir}: it is a file, not a folder")
 
 

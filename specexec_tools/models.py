@@ -17,6 +17,7 @@ Every refusal is one line naming the input: `SpecExecError` for what a user asks
 """
 
 import copy
+import math
 import numbers
 import os
 import time
@@ -29,7 +30,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend
 
-from specexec_tools import OffloadError, SpecExecError, UnsupportedModel, one_line
+from specexec_tools import OffloadError, SpecExecError, UnsupportedModel, expanded, one_line
 from specexec_tools.checkpoint import Checkpoint, check_weights, ties_head
 from specexec_tools.cost_model import draft_threads
 
@@ -47,7 +48,7 @@ def find_folder(name: str) -> Path:
     """A local model folder: the folder given, or a hub id's snapshot (cached, else downloaded:
     config, tokenizer and weights, .bin only where a repo has no safetensors). The one finder of
     the CLI's models and the offloader's; what it cannot find is one line naming `name`."""
-    path = Path(name).expanduser()
+    path = expanded(name)
     if path.is_dir():
         if not os.access(path, os.R_OK | os.X_OK):
             raise OffloadError(f"{name}: cannot read this folder (permission denied)")
@@ -128,13 +129,15 @@ def open_model(name) -> Opened:
         raise OffloadError(f"{folder}: {config.model_type!r} is no causal LM of transformers")
     for count in ("vocab_size", "hidden_size", "num_hidden_layers"):
         check_count(config, count, folder)  # 0 or -1 layers build an empty model without a word
+    check_numbers(config.to_dict(), folder)
+    checkpoint = Checkpoint(folder)  # its headers, before a model of the config is built
+    check_layer_count(config, checkpoint, folder)
     model = skeleton(config, folder)  # an unknown activation or rope type: its own error
     try:  # heard once: every model built from this config hears so (attention_windows)
         attention_windows(model)
     except SpecExecError as err:  # not supported, or config.json is broken
         raise OffloadError(f"{folder}: {err}") from None
     check_count(config, "max_position_embeddings", folder)  # the context (preflight's limit)
-    checkpoint = Checkpoint(folder)
     checkpoint.name_as(model)  # a mixture's experts: stored one by one, stacked in the model
     check_weights(checkpoint, model)
     return Opened(folder, config, generation, checkpoint)
@@ -144,6 +147,29 @@ def check_count(config, name: str, folder: Path) -> None:
     value = getattr(config, name, None)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise OffloadError(f"{folder}: config.json gives {name} {value!r}, not a count >= 1")
+
+
+def check_numbers(fields: dict, folder: Path) -> None:
+    """Every number of config.json (nested ones too) finite: a NaN or inf epsilon makes every pass
+    NaN, found only once a run (and an ssd copy's conversion) got that far."""
+    for name, value in fields.items():
+        if isinstance(value, dict):
+            check_numbers(value, folder)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise OffloadError(f"{folder}: config.json gives {name} {value}, not a finite number")
+
+
+def check_layer_count(config, checkpoint: Checkpoint, folder: Path) -> None:
+    """No more decoder layers than the checkpoint has: a tensor's first number in its name is
+    its layer's. Checked before the model is built, which for 10**9 layers took minutes (a count
+    below the checkpoint's is refused by check_weights: weights with no place)."""
+    names = checkpoint.entries.keys() | checkpoint.mapped.keys()
+    numbers = [next((int(p) for p in name.split(".") if p.isdigit()), -1) for name in names]
+    if config.num_hidden_layers > (stored := max(numbers, default=-1) + 1):
+        raise OffloadError(
+            f"{folder}: config.json gives num_hidden_layers {config.num_hidden_layers}, but the "
+            f"checkpoint holds {stored} decoder layers"
+        )
 
 
 def skeleton(config, folder: Path, dtype=None) -> torch.nn.Module:
@@ -481,6 +507,12 @@ def load_weights(opened: Opened, model, device, dtype, layers=True) -> None:
         model.get_submodule(owner)._buffers[leaf] = torch.empty_like(buffer, device=device)
     for owner in {name.rpartition(".")[0] for name, _ in model.named_buffers()}:
         model._init_weights(model.get_submodule(owner))
+    for name, buffer in model.named_buffers():  # before a weight is read, or an ssd copy made
+        if buffer.is_floating_point() and not torch.isfinite(buffer).all():
+            raise OffloadError(
+                f"{opened.folder}: config.json is broken: the model computes its {name} from it "
+                "as NaN or inf (rope_theta, say)"
+            )
     tensors = {
         name: opened.checkpoint.tensor(name).to(device=device, dtype=dtype)
         for name, param in model.named_parameters()  # a tied head is listed once, as EMBEDDING
