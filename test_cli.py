@@ -388,6 +388,47 @@ def test_bad_options_fail_in_one_line(tmp_path):
     check_errors(cases)
 
 
+def test_paths_and_draft_kinds_are_refused_before_torch_loads(tmp_path):
+    """A missing folder, a file given as a folder, a folder that cannot be read, a folder with no
+    model, a name no hub id has, and a --draft that is none of its kinds misspelt (int3, None):
+    each refused in one line by the flags' check, in a fresh interpreter whose `import torch`
+    would fail (a torch of our own first on the path): answered at once, not after seconds of
+    loading torch (the old code: 9-22 s)."""
+    fake = tmp_path / "no_torch" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise SystemExit('torch was imported')")
+    good, a_file = save_tiny(tmp_path / "good"), tmp_path / "notes.txt"
+    a_file.write_text("not a model")
+    unreadable, empty = tmp_path / "unreadable", tmp_path / "empty"
+    shutil.copytree(good, unreadable)
+    empty.mkdir()
+    fresh = {"env": {"PYTHONPATH": str(fake.parent)}}  # an interpreter without torch
+    cases = [
+        (["--target", str(tmp_path / "missing")], "missing: no such model folder", fresh),
+        (["--target", str(a_file)], f"{a_file}: a file, not a model folder", fresh),
+        (["--target", str(empty)], f"{empty}: no config.json in this folder", fresh),
+        (["--target", "my model"], "--target my model: neither a model folder nor a hub", fresh),
+        (["--target", good, "--draft", str(a_file)], "a file, not a model folder", fresh),
+    ]
+    for kind in ("int3", "INT4", "None", "4bit"):
+        message = f"--draft {kind}: neither a model folder, a hub id, none, int8 nor int4"
+        cases.append((["--target", good, "--draft", kind], message, fresh))
+    as_user = drop_root_file_access if os.geteuid() == 0 else None
+    unreadable.chmod(0)
+    try:
+        probe = [sys.executable, "-c", f"import os; os.listdir({str(unreadable)!r})"]
+        if subprocess.run(probe, preexec_fn=as_user, capture_output=True).returncode:
+            message = f"{unreadable}: cannot read this folder (permission denied)"
+            cases.append((["--target", str(unreadable)], message, {**fresh, "preexec_fn": as_user}))
+        check_errors(cases)
+    finally:
+        unreadable.chmod(0o755)
+    # the same names through the API's loaders: the same words (one check of a folder)
+    for name, message in [(str(a_file), "a file, not a model folder"), ("my/own/model", "no such")]:
+        with pytest.raises(OffloadError, match=message):
+            models.open_model(name)
+
+
 def test_hub_id_offline_fails_fast(tmp_path):
     """A dead network costs one quick look, not the hub client's half minute of retries (which
     it announces); the timeout only catches a hang, so a slow machine does not fail this."""

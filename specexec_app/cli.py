@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -19,11 +20,15 @@ from dataclasses import fields
 from pathlib import Path
 
 import specexec
-from specexec_tools import OffloadError, SpecExecError, one_line
+from specexec_tools import OffloadError, SpecExecError, local_folder, one_line
 
 CLONE = Path(__file__).resolve().parent.parent  # a clone: models/ holds the project's own pair
 RESET = "\033[0m"
 KINDS = ("int8", "int4")  # specexec_tools/quantize.py's
+# A hub id: a name, or an owner and a name. --draft none, int8 or int4 misspelt (int3, INT4,
+# None, 4bit) is no hub id's name: refused at once, not looked for on the hub
+HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
+KIND_LIKE = re.compile(r"(?i)(u?int|fp|nf|q)\d+|\d+-?bits?|none")
 
 # Each generation option's help (its default: specexec.Options)
 HELP = dict(
@@ -178,8 +183,9 @@ def check_flags(args):
 
 
 def model_name(name, flag):
-    """--target or --draft: a folder or hub id; None: the project's own (models/target or
-    models/draft); '' is no name, not the default."""
+    """--target or --draft: a folder or hub id, checked before torch loads (a path that holds no
+    model, a misspelt kind of --draft); None: the project's own (models/target or models/draft);
+    '' is no name, not the default."""
     if name is None:
         if not (CLONE / "models" / "target").is_dir():
             raise SpecExecError(
@@ -189,6 +195,10 @@ def model_name(name, flag):
         return str(CLONE / "models" / flag.removeprefix("--"))
     if not name.strip():
         raise SpecExecError(f"{flag} is empty: pass a model folder or a hub id")
+    misspelt = flag == "--draft" and KIND_LIKE.fullmatch(name)
+    if local_folder(name) is None and (misspelt or not HUB_ID.fullmatch(name)):
+        kinds = ", a hub id, none, int8 nor int4" if flag == "--draft" else " nor a hub id"
+        raise SpecExecError(f"{flag} {name}: neither a model folder{kinds}")
     return name
 
 

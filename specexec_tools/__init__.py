@@ -9,14 +9,15 @@ cost_model.py   the budget policies: a fixed budget, and budget "auto" (the cost
 
 Every refusal is one line naming the input; the command line prints it as `error: ...`, exit 2.
 This file holds the errors and the checks specexec.py calls (its options, generate's arguments,
-the logits' finiteness), and imports neither torch nor transformers at load: the command line
-checks its flags before torch loads.
+the logits' finiteness) and the local half of finding a model folder, and imports neither torch
+nor transformers at load: the command line checks its flags and paths before torch loads.
 """
 
 import math
 import numbers
 import os
 from dataclasses import fields
+from pathlib import Path
 
 
 class SpecExecError(ValueError):
@@ -34,6 +35,23 @@ class OffloadError(ValueError):
 # An exception's message on one line, for an error of ours to quote: all of it (transformers puts
 # the reason on a second line), cut at 300 characters; its type where it has none
 one_line = lambda err: " ".join(str(err).split())[:300] or type(err).__name__
+
+
+def local_folder(name):
+    """A model's name as a local folder, checked: the folder; None where the name can only be a
+    hub id (models.find_folder looks there). What is neither is one line naming it."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise OffloadError(f"{name}: cannot read this folder (permission denied)")
+        if not (path / "config.json").is_file():
+            raise OffloadError(f"{name}: no config.json in this folder")
+        return path
+    if path.exists():  # a file: a config.json or a text file, say
+        raise OffloadError(f"{name}: a file, not a model folder")
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise OffloadError(f"{name}: no such model folder")
+    return None
 
 
 def check_options(opts):

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend
 
-from specexec_tools import OffloadError, SpecExecError, UnsupportedModel, one_line
+from specexec_tools import OffloadError, SpecExecError, UnsupportedModel, local_folder, one_line
 from specexec_tools.checkpoint import Checkpoint, check_weights, ties_head
 
 # How a model is handed its KV cache: transformers 5.24 renamed the forward's `past_key_values`
@@ -46,17 +46,8 @@ def find_folder(name: str) -> Path:
     """A local model folder: the folder given, or a hub id's snapshot (cached, else downloaded:
     config, tokenizer and weights, .bin only where a repo has no safetensors). The one finder of
     the CLI's models and the offloader's; what it cannot find is one line naming `name`."""
-    path = Path(name).expanduser()
-    if path.is_dir():
-        if not os.access(path, os.R_OK | os.X_OK):
-            raise OffloadError(f"{name}: cannot read this folder (permission denied)")
-        if not (path / "config.json").is_file():
-            raise OffloadError(f"{name}: no config.json in this folder")
-        return path
-    if path.exists():  # a file: a config.json or a text file, say
-        raise OffloadError(f"{name}: a file, not a model folder")
-    if name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise OffloadError(f"{name}: no such model folder")
+    if (folder := local_folder(name)) is not None:
+        return folder
     from huggingface_hub import constants, snapshot_download
 
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt"]  # config, weights, tokenizer
