@@ -345,6 +345,10 @@ def test_bad_options_fail_in_one_line(tmp_path):
     cases = [
         (["--target", str(tmp_path / "missing"), "--draft", good], "no such model folder"),
         (["--target", good, "--draft", other], "tokenizers differ"),
+        (
+            ["--target", good, "--draft", other],
+            "--draft int4 (the target's own 4-bit copy) or --draft none (prompt lookup alone)",
+        ),  # the ways on, named
         (["--target", str(mamba), "--draft", good], "mamba is not supported: layer 0 keeps a"),
         (["--target", str(no_window), "--draft", good], "a sliding window of 0 lets a token see"),
         ([*pair, "--budget", "0"], "budget must be at least 1"),
@@ -1137,6 +1141,33 @@ def test_self_draft_and_resident_layers_decode_as_the_target():
     assert "offload (ram): 1 of 6 layers resident; the last target pass moved 17.1 MB" in (
         runs[1].stdout
     )
+
+
+@needs_pair
+def test_a_target_of_another_tokenizer_runs_on_lookup_alone_without_a_draft(tmp_path):
+    """--target of another tokenizer and no --draft: the project's draft cannot serve it, so the
+    run goes on with prompt lookup alone, one line saying so and how to add a draft (the old run
+    stopped at the tokenizers). Oracle: the same run with --draft none. Named as --draft, the
+    project's draft is refused in words that name the ways on."""
+    other = save_tiny(tmp_path / "other", vocab_words=[f"v{i}" for i in range(64)])
+    run = ["--target", other, "--prompt", "v1 v2 v3 v1 v2", "--max-new-tokens", "8"]
+    runs = cli_run_all([(run, {}), ([*run, "--draft", "none"], {}), ([*run, "--lookup", "0"], {})])
+    alone, _, plain = runs
+    for result in runs:
+        assert result.returncode == 0, result.stderr[-2000:]
+    said = alone.stdout.splitlines()[0]
+    assert said.startswith(f"(the project's draft has another tokenizer than {other}: prompt ")
+    assert "lookup alone drafts" in said and "--draft int4" in said and "--draft FOLDER" in said
+    assert plain.stdout.splitlines()[0].endswith(
+        "it decodes plainly (--lookup 0). For a draft model: --draft int4, the target's own "
+        "4-bit copy, or --draft FOLDER, a model of its family)"
+    )
+    texts = [r.stdout.split("--- continuation ---")[1].split("specexec:")[0] for r in runs]
+    assert texts[0] == texts[1] == texts[2]
+    passes = re.findall(r"([\d.]+) draft passes per target pass", alone.stdout)
+    assert passes in ([], ["0.0"]), alone.stdout  # no draft model ran
+    message = "--draft int4 (the target's own 4-bit copy) or --draft none (prompt lookup alone)"
+    check_errors([([*run, "--draft", str(PAIR / "draft")], message)])
 
 
 def test_installed_without_the_clone_says_where_the_default_pair_is(tmp_path):

@@ -56,6 +56,11 @@ NOT_THE_REGIME = (
     "big-target`, then `python specexec.py --target big-target --offload ssd --compare`)"
 )
 
+NO_PROJECT_DRAFT = (
+    "(the project's draft has another tokenizer than {target}: {how}. For a draft model: "
+    "--draft int4, the target's own 4-bit copy, or --draft FOLDER, a model of its family)"
+)
+
 
 # ---- flags, checked before torch loads ----
 
@@ -175,6 +180,7 @@ def check_flags(args):
             "text: set PYTHONIOENCODING=utf-8"
         ) from None
     args.self_draft = args.draft in KINDS  # the target's own copy: its tokenizer too
+    args.project_draft = args.draft is None  # models/draft: it may not fit --target's tokenizer
     args.target = model_name(args.target, "--target")
     if args.draft != "none" and not args.self_draft:
         args.draft = model_name(args.draft, "--draft")
@@ -252,6 +258,10 @@ def run(args):
     tokenizer = chat.load_tokenizer(target.folder, args.chat_template)
     own = draft is None or args.self_draft  # ids must mean the same text in both
     tokenizers = [tokenizer, tokenizer if own else chat.load_tokenizer(draft.folder)]
+    if args.project_draft and tokenizers[1].get_vocab() != tokenizer.get_vocab():
+        draft, tokenizers[1] = None, tokenizer  # a target of another family: no draft
+        how = "prompt lookup alone drafts" if opts.lookup else "it decodes plainly (--lookup 0)"
+        print(dim(NO_PROJECT_DRAFT.format(target=args.target, how=how)), flush=True)
     input_ids = None  # a chat without --prompt: its turns come later
     if args.prompt is not None:
         input_ids = chat.tokenize(tokenizer, args.prompt, args.chat_template, target.folder)

@@ -318,6 +318,12 @@ def quiet():
 
 # ---- the pair and the prompt, before any weight is read ----
 
+# Where the draft cannot serve the target, the command line's ways on (only it gives the tokenizers)
+OTHER_DRAFTS = (
+    "pass a draft of the target's family, --draft int4 (the target's own 4-bit copy) or "
+    "--draft none (prompt lookup alone)"
+)
+
 
 def preflight(target, draft, input_ids, eos_token_id=None, tokenizers=None):
     """Check a run's inputs; return (prompt as a list of ints, positions usable, EOS ids).
@@ -342,7 +348,8 @@ def preflight(target, draft, input_ids, eos_token_id=None, tokenizers=None):
             differ = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=lambda kv: kv[1])
             raise SpecExecError(
                 f"target and draft tokenizers differ ({len(t_vocab)} vs {len(d_vocab)} tokens; "
-                f"first difference: {differ[0][0]!r} id {differ[0][1]}); they must share one"
+                f"first difference: {differ[0][0]!r} id {differ[0][1]}); they must share one: "
+                f"{OTHER_DRAFTS}"
             )
         for model in models.values():  # and each id a row in each model's embedding
             if len(tokenizers[0]) > model.config.vocab_size:
@@ -356,6 +363,7 @@ def preflight(target, draft, input_ids, eos_token_id=None, tokenizers=None):
         raise SpecExecError(
             f"the draft's vocabulary ({draft.config.vocab_size}) is larger than the target's "
             f"({target.config.vocab_size}); they must share a tokenizer"
+            + (f": {OTHER_DRAFTS}" if tokenizers else "")  # the command line's
         )
     # the context: the positions every model here can use
     limit = min(model.config.max_position_embeddings for model in models.values())
