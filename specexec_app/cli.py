@@ -45,6 +45,8 @@ HELP = dict(
     top_p="nucleus sampling mass (1 = off)",
     top_k="sample from the k most likely (0 = off)",
     seed="random seed for sampling (default: a fresh one)",
+    threads="CPU threads of the target's passes (default: one per core that other programs leave "
+    "free, unless OMP_NUM_THREADS says; 0: torch's setting)",
     draft_threads="CPU threads for the draft's passes (default: 1 for a small draft, torch's "
     "setting for one of 50M parameters or more; 0: torch's setting); output is unchanged",
     draft_temperature="the draft's temperature when it ranks the tree (default: 0.3 when "
@@ -80,12 +82,6 @@ def finite(text):
     return value
 
 
-def positive(text):
-    if (value := int(text)) < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
-    return value
-
-
 def count_or_auto(text):
     try:
         return text if text == "auto" else int(text)
@@ -112,8 +108,6 @@ def parse_args(argv=None):
     add("--dtype", choices=("auto", "float32", "float16", "bfloat16", "float64"), default="auto",
         help="auto: float32 on cpu (half precision runs about 6x slower there; with --offload "
         "ssd a half checkpoint is then read from a float32 copy), else the checkpoint's own")
-    add("--threads", type=positive, metavar="N", help="CPU threads of the target's passes "
-        "(default: one per core that other programs leave free)")
     add("--offload", choices=("ram", "ssd"), help="stream the target's layers from RAM or disk")
     add("--offload-dir", type=Path, default=Path("~/.cache/specexec/offload"), metavar="DIR",
         help="where ssd writes a per-layer copy when the checkpoint cannot be read in place "
@@ -167,8 +161,6 @@ def check_flags(args):
         (args.chat and sys.stdin is None, "--chat reads turns from standard input: it is closed"),
         (args.compare and args.opts.max_new_tokens == 0,
          "--compare times decoding: give it --max-new-tokens of at least 1"),
-        ((args.threads or 0) > (cores := os.cpu_count() or 1),
-         f"--threads {args.threads}: this machine has {cores} cores"),
     ]:  # fmt: on
         if wrong:
             raise SpecExecError(message)
@@ -245,7 +237,6 @@ def run(args):
     from specexec_tools import checkpoint, models
 
     opts, device = args.opts, pick_device(args.device)
-    torch.set_num_threads(args.threads or free_cores())
     if not args.verbose:  # no per-tensor progress bars and load reports
         transformers_logging.disable_progress_bar()
         transformers_logging.set_verbosity_error()
@@ -321,7 +312,8 @@ def report(target, draft, tokenizer, seq, limit, eos, args, device):
     run, policy = specexec.Run(target, draft, opts, limit), make_policy(opts, target, draft)
     tokens, stats = specexec.decode_loop(run, list(seq), policy, eos, Streamer(tokenizer))
     print("\n\n" + dim(f"specexec: {summary(stats)}"))
-    if explained := why_plain(stats):
+    explained = why_plain(stats, args.offload)  # or auto's own why, in the summary line
+    if explained:
         print(dim(explained))
     if args.offload:
         layers = target.config.num_hidden_layers
@@ -341,35 +333,49 @@ def report(target, draft, tokenizer, seq, limit, eos, args, device):
             f"speedup {speedup:.2f}x: SpecExec against plain decoding of the same target, both "
             f"warmed up ({stats.tokens_per_step:.2f} tokens per target pass)"
         )
-        if speedup < 1 and device.type == "cpu" and args.offload != "ssd":
+        told = explained or getattr(stats.policy, "why", "")  # one cause, said once
+        if speedup < 1 and device.type == "cpu" and args.offload != "ssd" and not told:
             where = "in memory" if not args.offload else "in RAM (on a CPU, a memory copy)"
             print(dim(NOT_THE_REGIME.format(where=where)))
     print("identical output" if base_tokens == tokens else "outputs differ")
 
 
-def free_cores():
-    """The default of --threads: one per core that other programs leave free (the load average
-    of the last minute), at least one. Torch's own default, one per core, collapses when another
-    program holds a core: its threads wait for each other at every step (docs/results.md)."""
-    cores = os.cpu_count() or 1
-    return max(1, min(cores, round(cores - os.getloadavg()[0])))
-
-
-def why_plain(stats):
-    """Where budget auto decoded mostly plainly: what its best tree would have given here, and
-    why plain decoding was faster (a first run in memory shows SpecExec's idea this way)."""
+def why_plain(stats, offload=None):
+    """Where budget auto decoded mostly plainly, the cause it acted on, from what it measured: its
+    best tree costs more than its tokens are worth, through the draft's passes (a dear draft) or
+    the target's pass over the tree (compute, which a tree multiplies); or its trees measured
+    slower only until late in the run. A short run's cause is auto's own `why`."""
     policy, plain = stats.policy, sum(1 for budget, _ in stats.budgets if not budget)
     if not getattr(policy, "gains", None) or 2 * plain < stats.steps:
         return None
     # A tree's gains were seen, so (1, 1) is among the trees rated: every tree has a node at depth 1
     rates = policy.rates()
     best = max((choice for choice in rates if choice[0]), key=rates.get)
-    (budget, depth), (tokens, _) = best, policy.gains[best]
+    (budget, depth), (tokens, passes) = best, policy.gains[best]
+    tree, plainly = apart(rates[best], rates[(0, 0)])
+    said = f"(auto decoded plainly in {plain} of {stats.steps} steps"
+    best_tree = f"its best tree, {count(budget, 'node')} {depth} deep"
+    if rates[best] > rates[(0, 0)]:  # the trees it ran late paid: no cause against them
+        return (
+            f"{said}, where its trees measured slower; by the end {best_tree}, measured faster: "
+            f"{tree} tokens/s against {plainly})"
+        )
+    said += f": {best_tree}, gives {tokens:.2f} tokens a target pass, {tree} tokens/s against "
+    one = policy.t_target(1)  # seconds of the target's pass over one token
+    draft_s, compute_s = passes * policy.draft_s, policy.t_target(budget + 1) - one
+    if draft_s > compute_s:
+        draft_s, one = apart(draft_s, one)
+        return (
+            f"{said}{plainly} plainly. The cause: its draft, whose passes cost {draft_s} s a tree "
+            f"on top of the target's pass, {one} s; a cheaper draft may pay (a smaller one, or "
+            "--draft none: prompt lookup alone))"
+        )
+    tree_s, one = apart(one + compute_s, one)
+    where = "" if offload == "ssd" else ": see the README's streamed run, --offload ssd"
     return (
-        f"(auto: its best tree here, {budget} nodes {depth} deep, would give {tokens:.2f} tokens "
-        f"per target pass, {rates[best]:.0f} tokens/s against {rates[(0, 0)]:.0f} decoding "
-        "plainly: this target's pass costs compute, which a tree multiplies. Trees pay where a "
-        "pass moves the weights: see the README's streamed run, --offload ssd)"
+        f"{said}{plainly} plainly. The cause: the target's pass, which over the tree costs "
+        f"{tree_s} s against {one} s over one token: a pass here computes, which a tree "
+        f"multiplies. Trees pay where a pass moves the weights{where})"
     )
 
 
@@ -443,6 +449,14 @@ def summary(stats):
 def count(n, one):
     """'1 token', '2 tokens', '3 target passes'."""
     return f"{n} {one if n == 1 else one + ('es' if one.endswith('s') else 's')}"
+
+
+def apart(*values):
+    """The values to 3 significant digits, or as many more as tell different ones apart."""
+    digits = 3
+    while len({f"{v:.{digits}g}" for v in values}) < len(set(values)) and digits < 17:
+        digits += 1
+    return [f"{v:.{digits}g}" for v in values]
 
 
 def dim(text):

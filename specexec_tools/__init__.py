@@ -67,7 +67,7 @@ def check_options(opts):
             raise SpecExecError(f"{f.name} must be {kind}, got {value!r}")
         setattr(opts, f.name, int(value) if integer else float(value))
     lowest = dict(budget=1, max_depth=1, width=1, branch=1, max_new_tokens=0, top_k=0)
-    for name, least in (lowest | dict(lookup=0, draft_threads=0)).items():
+    for name, least in (lowest | dict(lookup=0, threads=0, draft_threads=0)).items():
         if getattr(opts, name) not in ("auto", None) and getattr(opts, name) < least:
             raise SpecExecError(f"{name} must be at least {least}, got {getattr(opts, name)}")
     cores = os.cpu_count() or 1  # more draft threads than cores: torch would crash
@@ -78,6 +78,7 @@ def check_options(opts):
         ("top_p", lambda p: 0 < p <= 1, "in (0, 1]"),
         ("seed", lambda s: s is None or 0 <= s < 2**64, "in [0, 2**64)"),
         ("draft_temperature", lambda t: t is None or 1e-2 <= t < math.inf, "in [0.01, inf)"),
+        ("threads", lambda n: (n or 0) <= cores, f"at most {cores} (the cores here)"),
         ("draft_threads", lambda n: (n or 0) <= cores, f"at most {cores} (the cores here)"),
     ]:
         if not ok(value := getattr(opts, name)):

@@ -162,6 +162,29 @@ ATTENTION_KERNELS = [k for name, k in SDPBackend.__members__.items() if "CUDNN" 
 ATTENTION_KERNELS.remove(SDPBackend.ERROR)
 
 
+TORCH_THREADS = torch.get_num_threads()  # torch's own count, as specexec found it
+
+
+def use_threads(threads):
+    """Set the CPU threads of a run's target passes (Options.threads): as given; 0: as set; None:
+    one per core that other programs leave free (the command line's default), unless the caller
+    chose torch's count (OMP_NUM_THREADS or MKL_NUM_THREADS, or torch.set_num_threads to another
+    count than torch's own). Torch's own, one per core, collapses when another program holds a
+    core: its threads wait for each other at every step (docs/results.md)."""
+    chosen = {"OMP_NUM_THREADS", "MKL_NUM_THREADS"} & set(os.environ)
+    if threads is None and not chosen and torch.get_num_threads() == TORCH_THREADS:
+        threads = free_cores()
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def free_cores():
+    """One thread per core that other programs leave free (the load average of the last
+    minute), at least one."""
+    cores = os.cpu_count() or 1
+    return max(1, min(cores, round(cores - os.getloadavg()[0])))
+
+
 @contextmanager
 def timed(device, threads=None):
     """Time a block of passes (on a GPU, until its work is done), on `threads` CPU threads (0: as
