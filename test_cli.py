@@ -19,8 +19,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pytest
@@ -29,7 +30,7 @@ import torch
 import specexec
 from conftest import CONFIGS, random_model, save_model, tiny_config, tiny_model
 from specexec_app import chat, cli
-from specexec_tools import OffloadError, models
+from specexec_tools import OffloadError, cost_model, models
 
 HERE = Path(__file__).resolve().parent
 PAIR = HERE / "models"
@@ -360,7 +361,7 @@ def test_bad_options_fail_in_one_line(tmp_path):
         ([*pair, "--chat-template", "on"], "has no chat template"),
         ([*pair, "--temperature", "nan"], "nan is not a finite number"),
         ([*pair, "--temperature", "inf"], "inf is not a finite number"),
-        ([*pair, "--threads", "0"], "0 is not a positive integer"),
+        ([*pair, "--threads", "-1"], "threads must be at least 0, got -1"),
         ([*pair, "--offload-clean"], "--offload-clean goes with --offload ssd"),
         ([*pair, "--quantize", "int8"], "--quantize goes with --offload"),
         ([*pair, "--offload", "ram", "--quantize", "int3"], "invalid choice: 'int3'"),
@@ -374,7 +375,7 @@ def test_bad_options_fail_in_one_line(tmp_path):
         ([*pair, "--draft", ""], "--draft is empty"),
         ([*pair, "--prompt", b"w1 \xff"], "--prompt is not UTF-8 text (byte 0xff at character 3)"),
         ([*pair, "--max-new-tokens", "0", "--compare"], "--compare times decoding"),
-        ([*pair, "--threads", "100000"], "--threads 100000: this machine has"),
+        ([*pair, "--threads", "100000"], "threads must be at most"),
         (pair, "encoding ascii cannot write all", {"env": {"PYTHONIOENCODING": "ascii"}}),
         (["--target", good, "--draft", wider, "--prompt", "w1"], "draft's vocabulary (80) is"),
     ]
@@ -1137,6 +1138,7 @@ def test_self_draft_and_resident_layers_decode_as_the_target():
         assert result.returncode == 0, result.stderr[-2000:]
     assert "identical output" in runs[0].stdout
     assert "auto decoded plainly: its int4 draft is the target's size" in runs[0].stdout
+    assert "not SpecExec's regime" not in runs[0].stdout  # the cause is said once: the draft
     # 20 MB: the float32 head and KV cache (~11 MB) and three 3.4 MB slots: one layer stays
     assert "offload (ram): 1 of 6 layers resident; the last target pass moved 17.1 MB" in (
         runs[1].stdout
@@ -1168,6 +1170,83 @@ def test_a_target_of_another_tokenizer_runs_on_lookup_alone_without_a_draft(tmp_
     assert passes in ([], ["0.0"]), alone.stdout  # no draft model ran
     message = "--draft int4 (the target's own 4-bit copy) or --draft none (prompt lookup alone)"
     check_errors([([*run, "--draft", str(PAIR / "draft")], message)])
+
+
+@dataclass
+class Measured:
+    """What cli.why_plain reads of auto's cost model: the rates it predicts, the gains of the
+    trees it saw, a draft pass's seconds, and a target pass's over n tokens (first + per * n)."""
+
+    predicted: dict  # (budget, depth) -> tokens/s
+    gains: dict  # (budget, depth) -> (tokens a step, draft passes)
+    draft_s: float
+    first: float
+    per: float
+
+    def rates(self):
+        return self.predicted
+
+    def t_target(self, n):
+        return self.first + self.per * n
+
+
+def auto_note(policy, plain=30, steps=40, offload=None):
+    """why_plain of a run of `steps` target passes, `plain` of them without a tree."""
+    budgets = [(0, 0)] * plain + [(8, 2)] * (steps - plain)
+    return cli.why_plain(
+        types.SimpleNamespace(policy=policy, budgets=budgets, steps=steps), offload
+    )
+
+
+def test_auto_notes_name_the_one_cause_auto_acted_on():
+    """Where auto decoded mostly plainly, its note names one cause, the larger of what its best
+    tree costs beside a plain step (oracle: those costs, set here): the draft's passes (the int4
+    self-draft beside a streamed target once read "see --offload ssd" on a run already streamed),
+    or the target's pass over the tree (compute); a tree rated faster by the end is no cause
+    against trees (it once read "146 tokens/s against 64" beside "trees do not pay"); two
+    different figures never print alike (once "1 tokens/s against 1")."""
+    # the target's own int4 copy beside a target streamed from disk: 4 draft passes cost 1.2 s
+    dear = Measured({(0, 0): 1.21, (32, 4): 0.94}, {(32, 4): (2.9, 4.0)}, 0.3, 0.8, 1e-5)
+    # in memory: the pass over a tree of 8 costs 0.016 s more, 2 draft passes 0.001 s
+    compute = Measured({(0, 0): 64.0, (8, 2): 40.2}, {(8, 2): (1.9, 2.0)}, 5e-4, 0.015, 0.002)
+    late = Measured({(0, 0): 64.0, (8, 2): 146.0}, {(8, 2): (3.9, 2.0)}, 5e-4, 0.015, 0.002)
+    close = Measured({(0, 0): 1.0004, (8, 2): 1.0001}, {(8, 2): (1.9, 2.0)}, 0.1, 0.8, 1e-5)
+    notes = {
+        "dear": auto_note(dear, offload="ssd"),
+        "compute": auto_note(compute),
+        "compute, streamed": auto_note(compute, offload="ssd"),
+        "late": auto_note(late),
+        "close": auto_note(close),
+    }
+    for what, note in notes.items():
+        tree, plain = re.search(r"([\d.]+) tokens/s against ([\d.]+)", note).groups()
+        assert tree != plain and "\n" not in note and note.count("cause") <= 1, (what, note)
+        assert ("The cause:" in note) == (float(tree) < float(plain)), (what, note)
+    assert "The cause: its draft" in notes["dear"] and "--offload ssd" not in notes["dear"]
+    assert "The cause: its draft" in notes["close"]
+    assert (
+        "The cause: the target's pass" in notes["compute"] and "--offload ssd" in notes["compute"]
+    )
+    assert "--offload ssd" not in notes["compute, streamed"]
+    assert "measured faster: 146 tokens/s against 64" in notes["late"], notes["late"]
+    assert auto_note(compute, plain=19) is None  # mostly trees: nothing to explain
+    assert auto_note(cost_model.FixedBudget(0, 0, why="a cause of its own")) is None
+
+
+def test_a_run_that_decoded_plainly_says_why_once(tmp_path):
+    """A draft that never guesses the target (another random model): auto decodes plainly, and
+    one note names the cause it acted on, the draft whose passes cost more than its trees give,
+    with the tree's figure below plain decoding's; --compare's regime note, a second cause,
+    stays unsaid (it said that the pass in memory was to blame, beside the draft)."""
+    target, draft = save_tiny(tmp_path / "target"), save_tiny(tmp_path / "draft", layers=1)
+    run = ["--target", target, "--draft", draft, "--prompt", "w1 w2 w3", "--max-new-tokens", "60"]
+    result = cli_run(*run, "--compare")
+    assert result.returncode == 0 and "identical output" in result.stdout, result.stderr[-2000:]
+    notes = [line for line in result.stdout.splitlines() if line.startswith("(")]
+    assert len(notes) == 1 and notes[0].startswith("(auto decoded plainly in "), result.stdout
+    assert "The cause: its draft, whose passes cost" in notes[0], notes[0]
+    tree, plain = re.search(r"([\d.]+) tokens/s against ([\d.]+) plainly", notes[0]).groups()
+    assert float(tree) < float(plain), notes[0]
 
 
 def test_installed_without_the_clone_says_where_the_default_pair_is(tmp_path):
