@@ -362,19 +362,19 @@ def why_plain(stats, offload=None):
         )
     said += f": {best_tree}, gives {tokens:.2f} tokens a target pass, {tree} tokens/s against "
     one = policy.t_target(1)  # seconds of the target's pass over one token
-    draft_s, compute_s = passes * policy.draft_s, policy.t_target(budget + 1) - one
-    if draft_s > compute_s:
-        draft_s, one = apart(draft_s, one)
+    draft_s, tree_s = passes * policy.draft_s, policy.t_target(budget + 1)
+    if draft_s > tree_s - one:  # the draft's passes cost more than the tree's tokens in the pass
+        draft, target = apart(draft_s, one)
         return (
-            f"{said}{plainly} plainly. The cause: its draft, whose passes cost {draft_s} s a tree "
-            f"on top of the target's pass, {one} s; a cheaper draft may pay (a smaller one, or "
+            f"{said}{plainly} plainly. The cause: its draft, whose passes cost {draft} s a tree on "
+            f"top of the target's pass, {target} s; a cheaper draft may pay (a smaller one, or "
             "--draft none: prompt lookup alone))"
         )
-    tree_s, one = apart(one + compute_s, one)
+    over_tree, over_one = apart(tree_s, one)
     where = "" if offload == "ssd" else ": see the README's streamed run, --offload ssd"
     return (
         f"{said}{plainly} plainly. The cause: the target's pass, which over the tree costs "
-        f"{tree_s} s against {one} s over one token: a pass here computes, which a tree "
+        f"{over_tree} s against {over_one} s over one token: a pass here computes, which a tree "
         f"multiplies. Trees pay where a pass moves the weights{where})"
     )
 
