@@ -158,24 +158,28 @@ class ForkServer:
         return pickle.load(self.replies)
 
     def run(self, cases, timeout):
-        """cases: [(argv, input text or None)] -> [CompletedProcess], text as subprocess.run's."""
+        """cases: [(argv, input text or bytes or None, a file for stdout or None)] ->
+        [CompletedProcess], text as subprocess.run's (stdout None where it went to a file)."""
         batch, files = [], []
-        for argv, text in cases:
+        for argv, given, output in cases:
             self.count += 1
             stdin, stdout, stderr = (
                 self.folder / f"{self.count}.{n}" for n in ("in", "out", "err")
             )
-            stdin.write_text(text or "")
+            stdin.write_bytes(given.encode() if isinstance(given, str) else given or b"")
             stdout.touch(), stderr.touch()
             argv = [str(SCRIPT), *map(os.fsdecode, argv)]  # sys.argv, as Python decodes bytes
-            batch.append((argv, str(HERE), str(stdin), str(stdout), str(stderr)))
-            files.append((argv[1:], stdout, stderr))
+            batch.append((argv, str(HERE), str(stdin), output or str(stdout), str(stderr)))
+            files.append((argv[1:], None if output else stdout, stderr))
         pickle.dump(batch, self.requests)
         self.requests.flush()
         statuses = self.receive(timeout * len(cases))
         return [
             subprocess.CompletedProcess(
-                argv, status, as_text(out.read_bytes()), as_text(self.startup + err.read_bytes())
+                argv,
+                status,
+                None if out is None else as_text(out.read_bytes()),
+                as_text(self.startup + err.read_bytes()),
             )
             for (argv, out, err), status in zip(files, statuses)
         ]
@@ -199,10 +203,10 @@ def as_text(data):
 server = None  # the module's ForkServer, started by its first run
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="session", autouse=True)
 def close_the_fork_server():
-    """The module's fork server closes with the module; the next module that runs the CLI
-    (test_hardening imports this fixture) starts its own."""
+    """One fork server for the session (its start is a fresh interpreter's), started by the first
+    forked run of any module (test_hardening's and test_docs' too), closed at the session's end."""
     global server
     yield
     if server is not None:
@@ -211,9 +215,11 @@ def close_the_fork_server():
 
 
 def forked(options):
-    """Whether a run can be forked from the fork server: nothing of a fresh interpreter's asked."""
+    """Whether a run can be forked from the fork server: nothing of a fresh interpreter's asked
+    (an environment, another copy of the modules, a function before exec), stdout a file if any."""
     plain = options.get("script", SCRIPT) == SCRIPT and not options.get("env")
-    return plain and set(options) <= {"env", "input", "script", "timeout"}
+    to_file = {"stdout"} if isinstance(getattr(options.get("stdout"), "name", 0), str) else set()
+    return plain and set(options) <= {"env", "input", "script", "timeout"} | to_file
 
 
 def cli_run(*argv, env=None, timeout=300, script=SCRIPT, **options):
@@ -234,19 +240,28 @@ def cli_run_all(cases):
         if fork:
             server = server or ForkServer()
             timeout = max(cases[i][1].get("timeout", 300) for i in fork)
-            runs = server.run([(cases[i][0], cases[i][1].get("input")) for i in fork], timeout)
+            output = [getattr(cases[i][1].get("stdout"), "name", None) for i in fork]
+            runs = server.run(
+                [(cases[i][0], cases[i][1].get("input"), out) for i, out in zip(fork, output)],
+                timeout,
+            )
             for i, result in zip(fork, runs):
                 results[i] = result
         return [r if i in fork else r.result() for i, r in enumerate(results)]
 
 
-def started_run(*argv, env=None, timeout=300, script=SCRIPT, **options):
-    """`python specexec.py ARGV` in a fresh interpreter: subprocess.run's CompletedProcess."""
+def started_run(*argv, env=None, timeout=300, script=SCRIPT, input=None, **options):
+    """`python specexec.py ARGV` in a fresh interpreter: subprocess.run's CompletedProcess, its
+    input text or bytes, its output text as the fork server's."""
     options = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **options}
-    return subprocess.run(
-        [sys.executable, str(script), *argv], text=True, env=clean_env(**(env or {})),
-        timeout=timeout, cwd=script.parent, **options,
+    result = subprocess.run(
+        [sys.executable, str(script), *argv], env=clean_env(**(env or {})), timeout=timeout,
+        cwd=script.parent, input=input.encode() if isinstance(input, str) else input, **options,
     )  # fmt: skip
+    for name in ("stdout", "stderr"):  # None where it went elsewhere
+        if getattr(result, name) is not None:
+            setattr(result, name, as_text(getattr(result, name)))
+    return result
 
 
 def check_errors(cases, written=""):
