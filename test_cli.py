@@ -1,7 +1,8 @@
 """Tests for cli.py, run as a user runs it: `python specexec.py ...` in a process of its own, so
 that the exit status, stderr and stray log lines are what a user would see. Most runs are forked
-from one process that has imported torch and transformers already (FORK_SERVER); those whose
-interpreter start-up is under test start one of their own.
+from a process that has imported torch and transformers already (FORK_SERVER, one for the
+session); those whose interpreter start-up is under test, or that signal a live process, start
+one of their own.
 
 The promise under test: every bad input is one line `error: ...` on stderr, exit status 2, no
 traceback, nothing written; Ctrl-C exits with 130 and a closed pipe quietly.
@@ -53,8 +54,9 @@ SCRIPT = HERE / "specexec.py"
 # transformers) and forks, for each run, a child that runs specexec.py as __main__ with its own
 # argv and file descriptors 0, 1, 2: each run is still a process of its own, whose exit status,
 # whatever reaches its stderr (tracebacks, log lines, warnings) and interpreter exit are a user's.
-# Runs that need a fresh interpreter (an environment read at start-up, preexec_fn, a stdout of
-# the test's, another copy of the modules) start one.
+# Runs that need a fresh interpreter (an environment read at start-up, a function before exec
+# that a whole server cannot run under, a stdout that is no file, another copy of the modules)
+# start one; those that drop root's file access are forked from a server started so.
 FORK_SERVER = r"""
 import atexit, gc, os, pickle, runpy, signal, sys, threading
 
@@ -132,9 +134,10 @@ os._exit(status)
 
 
 class ForkServer:
-    """FORK_SERVER, started once; `run` runs a batch of `python specexec.py` runs through it."""
+    """FORK_SERVER, started once (under `preexec_fn`, if any: its runs are so too); `run` runs a
+    batch of `python specexec.py` runs through it."""
 
-    def __init__(self):
+    def __init__(self, preexec_fn=None):
         self.folder = Path(tempfile.mkdtemp(prefix="specexec-runs-"))
         requests, self.requests = os.pipe()
         self.replies, replies = os.pipe()
@@ -143,7 +146,7 @@ class ForkServer:
         self.process = subprocess.Popen(
             [sys.executable, "-c", FORK_SERVER, str(requests), str(replies), parallel],
             pass_fds=(requests, replies), cwd=HERE, env=clean_env(), stdin=subprocess.DEVNULL,
-            stdout=startup, stderr=startup, start_new_session=True,
+            stdout=startup, stderr=startup, start_new_session=True, preexec_fn=preexec_fn,
         )  # fmt: skip
         os.close(requests), os.close(replies), startup.close()
         self.requests, self.replies = os.fdopen(self.requests, "wb"), os.fdopen(self.replies, "rb")
@@ -158,10 +161,11 @@ class ForkServer:
         return pickle.load(self.replies)
 
     def run(self, cases, timeout):
-        """cases: [(argv, input text or bytes or None, a file for stdout or None)] ->
+        """cases: [(argv, options of cli_run: input text or bytes, stdout a file)] ->
         [CompletedProcess], text as subprocess.run's (stdout None where it went to a file)."""
         batch, files = [], []
-        for argv, given, output in cases:
+        for argv, options in cases:
+            given, output = options.get("input"), getattr(options.get("stdout"), "name", None)
             self.count += 1
             stdin, stdout, stderr = (
                 self.folder / f"{self.count}.{n}" for n in ("in", "out", "err")
@@ -200,26 +204,27 @@ def as_text(data):
     return data.decode().replace("\r\n", "\n").replace("\r", "\n")
 
 
-server = None  # the module's ForkServer, started by its first run
+servers = {}  # preexec_fn (None: none) -> the ForkServer started under it, by its first run
 
 
 @pytest.fixture(scope="session", autouse=True)
-def close_the_fork_server():
-    """One fork server for the session (its start is a fresh interpreter's), started by the first
-    forked run of any module (test_hardening's and test_docs' too), closed at the session's end."""
-    global server
+def close_the_fork_servers():
+    """The fork servers serve the session (each start is a fresh interpreter's), started by the
+    first forked run of any module (test_hardening's and test_docs' too), closed at its end."""
     yield
-    if server is not None:
+    for server in servers.values():
         server.close()
-        server = None
+    servers.clear()
 
 
 def forked(options):
-    """Whether a run can be forked from the fork server: nothing of a fresh interpreter's asked
-    (an environment, another copy of the modules, a function before exec), stdout a file if any."""
+    """Whether a run can be forked from a fork server: nothing of a fresh interpreter's asked (an
+    environment, another copy of the modules, a function before exec that a whole server cannot
+    run under), stdout a file if any."""
     plain = options.get("script", SCRIPT) == SCRIPT and not options.get("env")
+    plain &= options.get("preexec_fn") in (None, drop_root_file_access)
     to_file = {"stdout"} if isinstance(getattr(options.get("stdout"), "name", 0), str) else set()
-    return plain and set(options) <= {"env", "input", "script", "timeout"} | to_file
+    return plain and set(options) <= {"env", "input", "script", "timeout", "preexec_fn"} | to_file
 
 
 def cli_run(*argv, env=None, timeout=300, script=SCRIPT, **options):
@@ -229,23 +234,20 @@ def cli_run(*argv, env=None, timeout=300, script=SCRIPT, **options):
 
 
 def cli_run_all(cases):
-    """Several CLI runs at once: [(argv, options of cli_run)] -> [CompletedProcess]."""
-    global server
+    """Several CLI runs at once: [(argv, options of cli_run)] -> [CompletedProcess]; those that
+    can be forked from the server started as they ask (under their preexec_fn, if any)."""
     fork = [i for i, (_, options) in enumerate(cases) if forked(options)]
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = [
             None if i in fork else pool.submit(started_run, *argv, **options)
             for i, (argv, options) in enumerate(cases)
         ]
-        if fork:
-            server = server or ForkServer()
-            timeout = max(cases[i][1].get("timeout", 300) for i in fork)
-            output = [getattr(cases[i][1].get("stdout"), "name", None) for i in fork]
-            runs = server.run(
-                [(cases[i][0], cases[i][1].get("input"), out) for i, out in zip(fork, output)],
-                timeout,
-            )
-            for i, result in zip(fork, runs):
+        for setup in {cases[i][1].get("preexec_fn") for i in fork}:
+            group = [i for i in fork if cases[i][1].get("preexec_fn") is setup]
+            if setup not in servers:
+                servers[setup] = ForkServer(setup)
+            timeout = max(cases[i][1].get("timeout", 300) for i in group)
+            for i, result in zip(group, servers[setup].run([cases[i] for i in group], timeout)):
                 results[i] = result
         return [r if i in fork else r.result() for i, r in enumerate(results)]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from test_cli import cli_run, close_the_fork_server  # noqa: F401  (a fork server for its runs)
+from test_cli import cli_run, close_the_fork_servers  # noqa: F401  (closed at the session's end)
 
 HERE = Path(__file__).resolve().parent
 README = (HERE / "README.md").read_text()

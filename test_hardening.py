@@ -31,7 +31,7 @@ from test_cli import (
     check_errors,
     clean_env,
     cli_run,
-    close_the_fork_server,  # noqa: F401  (this module's runs: a server too)
+    close_the_fork_servers,  # noqa: F401  (closed at the session's end)
     edit_json,
     save_tiny,
 )
