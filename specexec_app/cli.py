@@ -353,29 +353,26 @@ def why_plain(stats, offload=None):
     best = max((choice for choice in rates if choice[0]), key=rates.get)
     (budget, depth), (tokens, passes) = best, policy.gains[best]
     tree, plainly = apart(rates[best], rates[(0, 0)])
-    said = f"(auto decoded plainly in {plain} of {stats.steps} steps"
-    best_tree = f"its best tree, {count(budget, 'node')} {depth} deep"
-    if rates[best] > rates[(0, 0)]:  # the trees it ran late paid: no cause against them
-        return (
-            f"{said}, where its trees measured slower; by the end {best_tree}, measured faster: "
-            f"{tree} tokens/s against {plainly})"
-        )
-    said += f": {best_tree}, gives {tokens:.2f} tokens a target pass, {tree} tokens/s against "
-    one = policy.t_target(1)  # seconds of the target's pass over one token
-    draft_s, tree_s = passes * policy.draft_s, policy.t_target(budget + 1)
-    if draft_s > tree_s - one:  # the draft's passes cost more than the tree's tokens in the pass
+    said = (
+        f"(auto decoded plainly in {plain} of {stats.steps} steps; its best tree, "
+        f"{count(budget, 'node')} {depth} deep, gives {tokens:.2f} tokens a target pass, {tree} "
+        f"tokens/s against {plainly} plainly"
+    )
+    if rates[best] > rates[(0, 0)]:  # trees paid by the end: no cause against them
+        return f"{said}: until late in the run, its trees measured slower)"
+    one, draft_s, tree_s = policy.t_target(1), passes * policy.draft_s, policy.t_target(budget + 1)
+    if draft_s > tree_s - one:  # the draft's passes cost more than the tree adds to the pass
         draft, target = apart(draft_s, one)
         return (
-            f"{said}{plainly} plainly. The cause: its draft, whose passes cost {draft} s a tree on "
-            f"top of the target's pass, {target} s; a cheaper draft may pay (a smaller one, or "
-            "--draft none: prompt lookup alone))"
+            f"{said}. The cause: its draft, whose passes cost {draft} s a tree beside {target} s "
+            "for the target's pass (a smaller draft, or --draft none, may pay))"
         )
     over_tree, over_one = apart(tree_s, one)
-    where = "" if offload == "ssd" else ": see the README's streamed run, --offload ssd"
+    where = "" if offload == "ssd" else " (see the README's streamed run, --offload ssd)"
     return (
-        f"{said}{plainly} plainly. The cause: the target's pass, which over the tree costs "
-        f"{over_tree} s against {over_one} s over one token: a pass here computes, which a tree "
-        f"multiplies. Trees pay where a pass moves the weights{where})"
+        f"{said}. The cause: the target's pass, {over_tree} s over the tree against {over_one} s "
+        f"over one token: a pass here computes, which a tree multiplies. Trees pay where a pass "
+        f"moves the weights{where})"
     )
 
 
