@@ -59,6 +59,7 @@ class Options:
     top_p: float = 1.0  # nucleus sampling mass (1: off)
     top_k: int = 0  # sample from the k most likely (0: off)
     seed: int | None = None  # sampling's random seed (None: a fresh one)
+    threads: int | None = None  # CPU threads of target passes (None: one per free core; 0: torch's)
     draft_threads: int | None = None  # CPU threads of draft passes (None: by its size; 0: torch's)
     draft_temperature: float | None = None  # how the draft ranks the tree (None: grow_tree's)
 
@@ -76,6 +77,7 @@ import torch  # noqa: E402  (after the options: --help and a bad flag need no to
 from torch.nn.attention import sdpa_kernel  # noqa: E402
 from transformers import DynamicCache  # noqa: E402
 
+from specexec_tools import models  # noqa: E402
 from specexec_tools.cost_model import FixedBudget, make_policy  # noqa: E402
 from specexec_tools.models import ATTENTION_KERNELS, CACHE, Clock, attention_windows, preflight  # noqa
 
@@ -477,6 +479,7 @@ class Run:
     limit: int  # positions both models can use (the shorter context)
 
     def __post_init__(self):
+        models.use_threads(self.opts.threads)  # the target's: one per free core, or as chosen
         self.seed = self.opts.seed if self.opts.seed is not None else torch.seed()
         self.rng = torch.Generator().manual_seed(self.seed)
         self.target_cache = DynamicCache()

@@ -1,7 +1,8 @@
 """Tests for cli.py, run as a user runs it: `python specexec.py ...` in a process of its own, so
 that the exit status, stderr and stray log lines are what a user would see. Most runs are forked
-from one process that has imported torch and transformers already (FORK_SERVER); those whose
-interpreter start-up is under test start one of their own.
+from a process that has imported torch and transformers already (FORK_SERVER, one for the
+session); those whose interpreter start-up is under test, or that signal a live process, start
+one of their own.
 
 The promise under test: every bad input is one line `error: ...` on stderr, exit status 2, no
 traceback, nothing written; Ctrl-C exits with 130 and a closed pipe quietly.
@@ -19,8 +20,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import pytest
@@ -29,7 +31,7 @@ import torch
 import specexec
 from conftest import CONFIGS, random_model, save_model, tiny_config, tiny_model
 from specexec_app import chat, cli
-from specexec_tools import OffloadError, models
+from specexec_tools import OffloadError, cost_model, models
 
 HERE = Path(__file__).resolve().parent
 PAIR = HERE / "models"
@@ -52,8 +54,9 @@ SCRIPT = HERE / "specexec.py"
 # transformers) and forks, for each run, a child that runs specexec.py as __main__ with its own
 # argv and file descriptors 0, 1, 2: each run is still a process of its own, whose exit status,
 # whatever reaches its stderr (tracebacks, log lines, warnings) and interpreter exit are a user's.
-# Runs that need a fresh interpreter (an environment read at start-up, preexec_fn, a stdout of
-# the test's, another copy of the modules) start one.
+# Runs that need a fresh interpreter (an environment read at start-up, a function before exec
+# that a whole server cannot run under, a stdout that is no file, another copy of the modules)
+# start one; those that drop root's file access are forked from a server started so.
 FORK_SERVER = r"""
 import atexit, gc, os, pickle, runpy, signal, sys, threading
 
@@ -131,9 +134,10 @@ os._exit(status)
 
 
 class ForkServer:
-    """FORK_SERVER, started once; `run` runs a batch of `python specexec.py` runs through it."""
+    """FORK_SERVER, started once (under `preexec_fn`, if any: its runs are so too); `run` runs a
+    batch of `python specexec.py` runs through it."""
 
-    def __init__(self):
+    def __init__(self, preexec_fn=None):
         self.folder = Path(tempfile.mkdtemp(prefix="specexec-runs-"))
         requests, self.requests = os.pipe()
         self.replies, replies = os.pipe()
@@ -142,7 +146,7 @@ class ForkServer:
         self.process = subprocess.Popen(
             [sys.executable, "-c", FORK_SERVER, str(requests), str(replies), parallel],
             pass_fds=(requests, replies), cwd=HERE, env=clean_env(), stdin=subprocess.DEVNULL,
-            stdout=startup, stderr=startup, start_new_session=True,
+            stdout=startup, stderr=startup, start_new_session=True, preexec_fn=preexec_fn,
         )  # fmt: skip
         os.close(requests), os.close(replies), startup.close()
         self.requests, self.replies = os.fdopen(self.requests, "wb"), os.fdopen(self.replies, "rb")
@@ -157,24 +161,29 @@ class ForkServer:
         return pickle.load(self.replies)
 
     def run(self, cases, timeout):
-        """cases: [(argv, input text or None)] -> [CompletedProcess], text as subprocess.run's."""
+        """cases: [(argv, options of cli_run: input text or bytes, stdout a file)] ->
+        [CompletedProcess], text as subprocess.run's (stdout None where it went to a file)."""
         batch, files = [], []
-        for argv, text in cases:
+        for argv, options in cases:
+            given, output = options.get("input"), getattr(options.get("stdout"), "name", None)
             self.count += 1
             stdin, stdout, stderr = (
                 self.folder / f"{self.count}.{n}" for n in ("in", "out", "err")
             )
-            stdin.write_text(text or "")
+            stdin.write_bytes(given.encode() if isinstance(given, str) else given or b"")
             stdout.touch(), stderr.touch()
             argv = [str(SCRIPT), *map(os.fsdecode, argv)]  # sys.argv, as Python decodes bytes
-            batch.append((argv, str(HERE), str(stdin), str(stdout), str(stderr)))
-            files.append((argv[1:], stdout, stderr))
+            batch.append((argv, str(HERE), str(stdin), output or str(stdout), str(stderr)))
+            files.append((argv[1:], None if output else stdout, stderr))
         pickle.dump(batch, self.requests)
         self.requests.flush()
         statuses = self.receive(timeout * len(cases))
         return [
             subprocess.CompletedProcess(
-                argv, status, as_text(out.read_bytes()), as_text(self.startup + err.read_bytes())
+                argv,
+                status,
+                None if out is None else as_text(out.read_bytes()),
+                as_text(self.startup + err.read_bytes()),
             )
             for (argv, out, err), status in zip(files, statuses)
         ]
@@ -195,24 +204,27 @@ def as_text(data):
     return data.decode().replace("\r\n", "\n").replace("\r", "\n")
 
 
-server = None  # the module's ForkServer, started by its first run
+servers = {}  # preexec_fn (None: none) -> the ForkServer started under it, by its first run
 
 
-@pytest.fixture(scope="module", autouse=True)
-def close_the_fork_server():
-    """The module's fork server closes with the module; the next module that runs the CLI
-    (test_hardening imports this fixture) starts its own."""
-    global server
+@pytest.fixture(scope="session", autouse=True)
+def close_the_fork_servers():
+    """The fork servers serve the session (each start is a fresh interpreter's), started by the
+    first forked run of any module (test_hardening's and test_docs' too), closed at its end."""
     yield
-    if server is not None:
+    for server in servers.values():
         server.close()
-        server = None
+    servers.clear()
 
 
 def forked(options):
-    """Whether a run can be forked from the fork server: nothing of a fresh interpreter's asked."""
+    """Whether a run can be forked from a fork server: nothing of a fresh interpreter's asked (an
+    environment, another copy of the modules, a function before exec that a whole server cannot
+    run under), stdout a file if any."""
     plain = options.get("script", SCRIPT) == SCRIPT and not options.get("env")
-    return plain and set(options) <= {"env", "input", "script", "timeout"}
+    plain &= options.get("preexec_fn") in (None, drop_root_file_access)
+    to_file = {"stdout"} if isinstance(getattr(options.get("stdout"), "name", 0), str) else set()
+    return plain and set(options) <= {"env", "input", "script", "timeout", "preexec_fn"} | to_file
 
 
 def cli_run(*argv, env=None, timeout=300, script=SCRIPT, **options):
@@ -222,30 +234,36 @@ def cli_run(*argv, env=None, timeout=300, script=SCRIPT, **options):
 
 
 def cli_run_all(cases):
-    """Several CLI runs at once: [(argv, options of cli_run)] -> [CompletedProcess]."""
-    global server
+    """Several CLI runs at once: [(argv, options of cli_run)] -> [CompletedProcess]; those that
+    can be forked from the server started as they ask (under their preexec_fn, if any)."""
     fork = [i for i, (_, options) in enumerate(cases) if forked(options)]
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = [
             None if i in fork else pool.submit(started_run, *argv, **options)
             for i, (argv, options) in enumerate(cases)
         ]
-        if fork:
-            server = server or ForkServer()
-            timeout = max(cases[i][1].get("timeout", 300) for i in fork)
-            runs = server.run([(cases[i][0], cases[i][1].get("input")) for i in fork], timeout)
-            for i, result in zip(fork, runs):
+        for setup in {cases[i][1].get("preexec_fn") for i in fork}:
+            group = [i for i in fork if cases[i][1].get("preexec_fn") is setup]
+            if setup not in servers:
+                servers[setup] = ForkServer(setup)
+            timeout = max(cases[i][1].get("timeout", 300) for i in group)
+            for i, result in zip(group, servers[setup].run([cases[i] for i in group], timeout)):
                 results[i] = result
         return [r if i in fork else r.result() for i, r in enumerate(results)]
 
 
-def started_run(*argv, env=None, timeout=300, script=SCRIPT, **options):
-    """`python specexec.py ARGV` in a fresh interpreter: subprocess.run's CompletedProcess."""
+def started_run(*argv, env=None, timeout=300, script=SCRIPT, input=None, **options):
+    """`python specexec.py ARGV` in a fresh interpreter: subprocess.run's CompletedProcess, its
+    input text or bytes, its output text as the fork server's."""
     options = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **options}
-    return subprocess.run(
-        [sys.executable, str(script), *argv], text=True, env=clean_env(**(env or {})),
-        timeout=timeout, cwd=script.parent, **options,
+    result = subprocess.run(
+        [sys.executable, str(script), *argv], env=clean_env(**(env or {})), timeout=timeout,
+        cwd=script.parent, input=input.encode() if isinstance(input, str) else input, **options,
     )  # fmt: skip
+    for name in ("stdout", "stderr"):  # None where it went elsewhere
+        if getattr(result, name) is not None:
+            setattr(result, name, as_text(getattr(result, name)))
+    return result
 
 
 def check_errors(cases, written=""):
@@ -346,6 +364,10 @@ def test_bad_options_fail_in_one_line(tmp_path):
     cases = [
         (["--target", str(tmp_path / "missing"), "--draft", good], "no such model folder"),
         (["--target", good, "--draft", other], "tokenizers differ"),
+        (
+            ["--target", good, "--draft", other],
+            "--draft int4 (the target's own 4-bit copy) or --draft none (prompt lookup alone)",
+        ),  # the ways on, named
         (["--target", str(mamba), "--draft", good], "mamba is not supported: layer 0 keeps a"),
         (["--target", str(no_window), "--draft", good], "a sliding window of 0 lets a token see"),
         ([*pair, "--budget", "0"], "budget must be at least 1"),
@@ -357,7 +379,7 @@ def test_bad_options_fail_in_one_line(tmp_path):
         ([*pair, "--chat-template", "on"], "has no chat template"),
         ([*pair, "--temperature", "nan"], "nan is not a finite number"),
         ([*pair, "--temperature", "inf"], "inf is not a finite number"),
-        ([*pair, "--threads", "0"], "0 is not a positive integer"),
+        ([*pair, "--threads", "-1"], "threads must be at least 0, got -1"),
         ([*pair, "--offload-clean"], "--offload-clean goes with --offload ssd"),
         ([*pair, "--quantize", "int8"], "--quantize goes with --offload"),
         ([*pair, "--offload", "ram", "--quantize", "int3"], "invalid choice: 'int3'"),
@@ -373,7 +395,7 @@ def test_bad_options_fail_in_one_line(tmp_path):
         ([*pair, "--draft", ""], "--draft is empty"),
         ([*pair, "--prompt", b"w1 \xff"], "--prompt is not UTF-8 text (byte 0xff at character 3)"),
         ([*pair, "--max-new-tokens", "0", "--compare"], "--compare times decoding"),
-        ([*pair, "--threads", "100000"], "--threads 100000: this machine has"),
+        ([*pair, "--threads", "100000"], "threads must be at most"),
         (pair, "encoding ascii cannot write all", {"env": {"PYTHONIOENCODING": "ascii"}}),
         (["--target", good, "--draft", wider, "--prompt", "w1"], "draft's vocabulary (80) is"),
     ]
@@ -389,6 +411,47 @@ def test_bad_options_fail_in_one_line(tmp_path):
         if rejected_by_options(**{flag: value}):
             cases.append(([*pair, f"--{flag}", str(value)], "error"))
     check_errors(cases)
+
+
+def test_paths_and_draft_kinds_are_refused_before_torch_loads(tmp_path):
+    """A missing folder, a file given as a folder, a folder that cannot be read, a folder with no
+    model, a name no hub id has, and a --draft that is none of its kinds misspelt (int3, None):
+    each refused in one line by the flags' check, in a fresh interpreter whose `import torch`
+    would fail (a torch of our own first on the path): answered at once, not after seconds of
+    loading torch (the old code: 9-22 s)."""
+    fake = tmp_path / "no_torch" / "torch"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise SystemExit('torch was imported')")
+    good, a_file = save_tiny(tmp_path / "good"), tmp_path / "notes.txt"
+    a_file.write_text("not a model")
+    unreadable, empty = tmp_path / "unreadable", tmp_path / "empty"
+    shutil.copytree(good, unreadable)
+    empty.mkdir()
+    fresh = {"env": {"PYTHONPATH": str(fake.parent)}}  # an interpreter without torch
+    cases = [
+        (["--target", str(tmp_path / "missing")], "missing: no such model folder", fresh),
+        (["--target", str(a_file)], f"{a_file}: a file, not a model folder", fresh),
+        (["--target", str(empty)], f"{empty}: no config.json in this folder", fresh),
+        (["--target", "my model"], "--target my model: neither a model folder nor a hub", fresh),
+        (["--target", good, "--draft", str(a_file)], "a file, not a model folder", fresh),
+    ]
+    for kind in ("int3", "INT4", "None", "4bit"):
+        message = f"--draft {kind}: neither a model folder, a hub id, none, int8 nor int4"
+        cases.append((["--target", good, "--draft", kind], message, fresh))
+    as_user = drop_root_file_access if os.geteuid() == 0 else None
+    unreadable.chmod(0)
+    try:
+        probe = [sys.executable, "-c", f"import os; os.listdir({str(unreadable)!r})"]
+        if subprocess.run(probe, preexec_fn=as_user, capture_output=True).returncode:
+            message = f"{unreadable}: cannot read this folder (permission denied)"
+            cases.append((["--target", str(unreadable)], message, {**fresh, "preexec_fn": as_user}))
+        check_errors(cases)
+    finally:
+        unreadable.chmod(0o755)
+    # the same names through the API's loaders: the same words (one check of a folder)
+    for name, message in [(str(a_file), "a file, not a model folder"), ("my/own/model", "no such")]:
+        with pytest.raises(OffloadError, match=message):
+            models.open_model(name)
 
 
 def test_hub_id_offline_fails_fast(tmp_path):
@@ -1121,10 +1184,118 @@ def test_self_draft_and_resident_layers_decode_as_the_target():
         assert result.returncode == 0, result.stderr[-2000:]
     assert "identical output" in runs[0].stdout
     assert "auto decoded plainly: its int4 draft is the target's size" in runs[0].stdout
+    assert "not SpecExec's regime" not in runs[0].stdout  # the cause is said once: the draft
     # 20 MB: the float32 head and KV cache (~11 MB) and three 3.4 MB slots: one layer stays
     assert "offload (ram): 1 of 6 layers resident; the last target pass moved 17.1 MB" in (
         runs[1].stdout
     )
+
+
+@needs_pair
+def test_a_target_of_another_tokenizer_runs_on_lookup_alone_without_a_draft(tmp_path):
+    """--target of another tokenizer and no --draft: the project's draft cannot serve it, so the
+    run goes on with prompt lookup alone, one line saying so and how to add a draft (the old run
+    stopped at the tokenizers). Oracle: the same run with --draft none. Named as --draft, the
+    project's draft is refused in words that name the ways on."""
+    other = save_tiny(tmp_path / "other", vocab_words=[f"v{i}" for i in range(64)])
+    run = ["--target", other, "--prompt", "v1 v2 v3 v1 v2", "--max-new-tokens", "8"]
+    runs = cli_run_all([(run, {}), ([*run, "--draft", "none"], {}), ([*run, "--lookup", "0"], {})])
+    alone, _, plain = runs
+    for result in runs:
+        assert result.returncode == 0, result.stderr[-2000:]
+    said = alone.stdout.splitlines()[0]
+    assert said.startswith(f"(the project's draft has another tokenizer than {other}: prompt ")
+    assert "lookup alone drafts" in said and "--draft int4" in said and "--draft FOLDER" in said
+    assert plain.stdout.splitlines()[0].endswith(
+        "it decodes plainly (--lookup 0). For a draft model: --draft int4, the target's own "
+        "4-bit copy, or --draft FOLDER, a model of its family)"
+    )
+    texts = [r.stdout.split("--- continuation ---")[1].split("specexec:")[0] for r in runs]
+    assert texts[0] == texts[1] == texts[2]
+    passes = re.findall(r"([\d.]+) draft passes per target pass", alone.stdout)
+    assert passes in ([], ["0.0"]), alone.stdout  # no draft model ran
+    message = "--draft int4 (the target's own 4-bit copy) or --draft none (prompt lookup alone)"
+    check_errors([([*run, "--draft", str(PAIR / "draft")], message)])
+
+
+@dataclass
+class Measured:
+    """What cli.why_plain reads of auto's cost model: the rates it predicts, the gains of the
+    trees it saw, a draft pass's seconds, and a target pass's over n tokens (first + per * n)."""
+
+    predicted: dict  # (budget, depth) -> tokens/s
+    gains: dict  # (budget, depth) -> (tokens a step, draft passes)
+    draft_s: float
+    first: float
+    per: float
+
+    def rates(self):
+        return self.predicted
+
+    def t_target(self, n):
+        return self.first + self.per * n
+
+
+def auto_note(policy, plain=30, steps=40, offload=None):
+    """why_plain of a run of `steps` target passes, `plain` of them without a tree."""
+    budgets = [(0, 0)] * plain + [(8, 2)] * (steps - plain)
+    return cli.why_plain(
+        types.SimpleNamespace(policy=policy, budgets=budgets, steps=steps), offload
+    )
+
+
+def test_auto_notes_name_the_one_cause_auto_acted_on():
+    """Where auto decoded mostly plainly, its note names one cause, the larger of what its best
+    tree costs beside a plain step (oracle: those costs, set here): the draft's passes (the int4
+    self-draft beside a streamed target once read "see --offload ssd" on a run already streamed),
+    or the target's pass over the tree (compute); a tree rated faster by the end is no cause
+    against trees (it once read "146 tokens/s against 64" beside "trees do not pay"); two
+    different figures never print alike (once "1 tokens/s against 1")."""
+    # the target's own int4 copy beside a target streamed from disk: 4 draft passes cost 1.2 s
+    dear = Measured({(0, 0): 1.21, (32, 4): 0.94}, {(32, 4): (2.9, 4.0)}, 0.3, 0.8, 1e-5)
+    # in memory: the pass over a tree of 8 costs 0.016 s more, 2 draft passes 0.001 s
+    compute = Measured({(0, 0): 64.0, (8, 2): 40.2}, {(8, 2): (1.9, 2.0)}, 5e-4, 0.015, 0.002)
+    late = Measured({(0, 0): 64.0, (8, 2): 146.0}, {(8, 2): (3.9, 2.0)}, 5e-4, 0.015, 0.002)
+    close = Measured({(0, 0): 1.0004, (8, 2): 1.0001}, {(8, 2): (1.9, 2.0)}, 0.1, 0.8, 1e-5)
+    notes = {
+        "dear": auto_note(dear, offload="ssd"),
+        "compute": auto_note(compute),
+        "compute, streamed": auto_note(compute, offload="ssd"),
+        "late": auto_note(late),
+        "close": auto_note(close),
+    }
+    for what, note in notes.items():
+        tree, plain = re.search(r"([\d.]+) tokens/s against ([\d.]+)", note).groups()
+        assert tree != plain and "\n" not in note and note.count("cause") <= 1, (what, note)
+        assert ("The cause:" in note) == (float(tree) < float(plain)), (what, note)
+    assert "The cause: its draft" in notes["dear"] and "--offload ssd" not in notes["dear"]
+    assert "The cause: its draft" in notes["close"]
+    assert (
+        "The cause: the target's pass" in notes["compute"] and "--offload ssd" in notes["compute"]
+    )
+    assert "--offload ssd" not in notes["compute, streamed"]
+    assert (
+        "146 tokens/s against 64 plainly: until late in the run, its trees measured slower"
+        in (notes["late"])
+    )
+    assert auto_note(compute, plain=19) is None  # mostly trees: nothing to explain
+    assert auto_note(cost_model.FixedBudget(0, 0, why="a cause of its own")) is None
+
+
+def test_a_run_that_decoded_plainly_says_why_once(tmp_path):
+    """A draft that never guesses the target (another random model): auto decodes plainly, and
+    one note names the cause it acted on, the draft whose passes cost more than its trees give,
+    with the tree's figure below plain decoding's; --compare's regime note, a second cause,
+    stays unsaid (it said that the pass in memory was to blame, beside the draft)."""
+    target, draft = save_tiny(tmp_path / "target"), save_tiny(tmp_path / "draft", layers=1)
+    run = ["--target", target, "--draft", draft, "--prompt", "w1 w2 w3", "--max-new-tokens", "60"]
+    result = cli_run(*run, "--compare")
+    assert result.returncode == 0 and "identical output" in result.stdout, result.stderr[-2000:]
+    notes = [line for line in result.stdout.splitlines() if line.startswith("(")]
+    assert len(notes) == 1 and notes[0].startswith("(auto decoded plainly in "), result.stdout
+    assert "The cause: its draft, whose passes cost" in notes[0], notes[0]
+    tree, plain = re.search(r"([\d.]+) tokens/s against ([\d.]+) plainly", notes[0]).groups()
+    assert float(tree) < float(plain), notes[0]
 
 
 def test_installed_without_the_clone_says_where_the_default_pair_is(tmp_path):

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from test_cli import cli_run, close_the_fork_servers  # noqa: F401  (closed at the session's end)
+
 HERE = Path(__file__).resolve().parent
 README = (HERE / "README.md").read_text()
 needs_pair = pytest.mark.skipif(
@@ -54,14 +56,10 @@ def test_every_first_screen_command_is_run_by_ci_or_by_these_tests():
 
 
 @needs_pair
-def test_the_run_command_runs_as_written(tmp_path):
+def test_the_run_command_runs_as_written():
     """`python specexec.py` from the README: the default pair, a prompt, its continuation and the
-    summary line, exit status 0."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
-    run = subprocess.run(
-        [sys.executable, "specexec.py"], cwd=HERE, env=env, capture_output=True, text=True,
-        timeout=900,
-    )  # fmt: skip
+    summary line, exit status 0 (a process of its own, forked as test_cli's runs are)."""
+    run = cli_run(timeout=900)
     assert run.returncode == 0, run.stderr[-2000:]
     assert "--- continuation ---" in run.stdout and "specexec: " in run.stdout
     assert re.search(r"\d+ tokens in \d+ target pass", run.stdout)

@@ -32,7 +32,7 @@ from test_cli import (
     check_errors,
     clean_env,
     cli_run,
-    close_the_fork_server,  # noqa: F401  (this module's runs: a server too)
+    close_the_fork_servers,  # noqa: F401  (closed at the session's end)
     edit_json,
     save_tiny,
 )
@@ -44,14 +44,10 @@ needs_pair = pytest.mark.skipif(
 
 def chat_run(argv, turns: bytes, **env):
     """`python specexec.py --chat ARGV` with `turns` piped in as bytes (not all of them text),
-    `env` added to its environment; returns (exit status, stdout, stderr), decoded."""
-    result = subprocess.run(
-        [sys.executable, str(HERE / "specexec.py"), "--chat", *argv], input=turns,
-        capture_output=True, env=clean_env(**env), cwd=HERE, timeout=300,
-    )  # fmt: skip
-    return result.returncode, *(
-        out.decode(errors="replace") for out in (result.stdout, result.stderr)
-    )
+    forked as test_cli's runs are (with `env` added to its environment: a fresh interpreter);
+    returns (exit status, stdout, stderr), decoded."""
+    result = cli_run("--chat", *argv, input=turns, env=env or None)
+    return result.returncode, result.stdout, result.stderr
 
 
 def said(stdout):

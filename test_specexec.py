@@ -9,6 +9,7 @@ float16 such a flip is possible, as with any batched decoding; see README).
 import copy
 import json
 import math
+import os
 import re
 import types
 from pathlib import Path
@@ -1483,6 +1484,42 @@ def test_draft_threads_one_for_a_small_draft_torchs_setting_for_a_big_one():
     for draft, threads in ((small, 1), (big, 0)):
         assert cost_model.draft_threads(specexec.Options(), draft) == threads
         assert cost_model.draft_threads(specexec.Options(draft_threads=2), draft) == 2
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: one count of threads only")
+def test_generate_runs_on_the_threads_the_command_line_would_choose(monkeypatch):
+    """generate and autoregressive take one thread per core that other programs leave free, as
+    the command line does (torch's own count, one per core, ran the README's script 5x slower
+    than the CLI on a busy machine), unless the caller chose: torch.set_num_threads, an
+    environment variable, or the `threads` option (0: torch's count as it is). Oracle: the
+    command line's rule, cores less the load average, with the load and torch's count set here."""
+    cores = os.cpu_count()
+    target, draft = tiny_model("llama", 0), tiny_model("llama", 1)
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(models, "TORCH_THREADS", cores)  # torch's own count: one per core
+    before = torch.get_num_threads()
+
+    def threads_after(run, load, set_to=cores, **options):
+        monkeypatch.setattr(os, "getloadavg", lambda: (load, load, load))
+        torch.set_num_threads(set_to)
+        run(**options)
+        return torch.get_num_threads()
+
+    api = [
+        lambda **o: specexec.generate(target, draft, [1, 2, 3], max_new_tokens=2, **o),
+        lambda **o: specexec.autoregressive(target, [1, 2, 3], max_new_tokens=2, **o),
+    ]
+    try:
+        for run in api:
+            assert threads_after(run, load=cores - 1) == 1  # one core free: one thread
+            assert threads_after(run, load=0.0, set_to=1) == 1  # torch.set_num_threads(1): kept
+            assert threads_after(run, load=0.0, threads=1) == 1  # the option
+            assert threads_after(run, load=cores - 1, threads=0) == cores  # torch's, as it is
+        monkeypatch.setenv("OMP_NUM_THREADS", str(cores))
+        assert threads_after(api[0], load=cores - 1) == cores  # the environment's choice
+    finally:
+        torch.set_num_threads(before)
 
 
 # ---- prompt lookup: candidates that cost no draft pass ----

@@ -57,6 +57,7 @@ class BenchConfig:
 def rows_at(cfg, setting, target, hf_target, drafts, prompt_ids, eos, sampled):
     """Every method at one setting: plain decoding first, then the peers and SpecExec."""
     ours = dict(max_new_tokens=cfg.tokens, eos_token_id=eos, draft_threads=cfg.draft_threads)
+    ours |= dict(threads=0)  # torch's threads as --threads set them, for ours as for HF's
     ours |= dict(temperature=cfg.temperature, top_p=cfg.top_p) if sampled else {}
 
     def plain(i, ids):

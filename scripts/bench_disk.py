@@ -196,15 +196,16 @@ def run(cfg, folder):
         f"trees at most {cfg.max_depth} deep\n"
     )
 
-    def plain(i, ids, n=cfg.tokens):
-        return specexec.autoregressive(target, ids, max_new_tokens=n, eos_token_id=eos)
+    def plain(i, ids, n=cfg.tokens):  # threads 0: torch's, as for accelerate's peers
+        return specexec.autoregressive(target, ids, max_new_tokens=n, eos_token_id=eos, threads=0)
 
     def speculative(budget, lookup=0, with_draft=True, depth=cfg.max_depth):
         def decode(i, ids, n=cfg.tokens):
             cost_model.LEARNED.clear()  # auto starts each prompt as a fresh process would
             return specexec.generate(target, draft if with_draft else None, ids, max_new_tokens=n,
                                      budget=budget, max_depth=depth, lookup=lookup,
-                                     eos_token_id=eos, draft_threads=cfg.draft_threads)  # fmt: skip
+                                     eos_token_id=eos, draft_threads=cfg.draft_threads,
+                                     threads=0)  # fmt: skip
 
         return decode
 

@@ -11,6 +11,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import sys
@@ -19,11 +20,15 @@ from dataclasses import fields
 from pathlib import Path
 
 import specexec
-from specexec_tools import OffloadError, SpecExecError, expanded, one_line
+from specexec_tools import OffloadError, SpecExecError, expanded, local_folder, one_line
 
 CLONE = Path(__file__).resolve().parent.parent  # a clone: models/ holds the project's own pair
 RESET = "\033[0m"
 KINDS = ("int8", "int4")  # specexec_tools/quantize.py's
+# A hub id: a name, or an owner and a name. --draft none, int8 or int4 misspelt (int3, INT4,
+# None, 4bit) is no hub id's name: refused at once, not looked for on the hub
+HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
+KIND_LIKE = re.compile(r"(?i)(u?int|fp|nf|q)\d+|\d+-?bits?|none")
 
 # Each generation option's help (its default: specexec.Options)
 HELP = dict(
@@ -41,6 +46,8 @@ HELP = dict(
     top_p="nucleus sampling mass (1 = off)",
     top_k="sample from the k most likely (0 = off)",
     seed="random seed for sampling (default: a fresh one)",
+    threads="CPU threads of the target's passes (default: one per core that other programs leave "
+    "free, unless OMP_NUM_THREADS says; 0: torch's setting)",
     draft_threads="CPU threads for the draft's passes (default: 1 for a small draft, torch's "
     "setting for one of 50M parameters or more; 0: torch's setting); output is unchanged",
     draft_temperature="the draft's temperature when it ranks the tree (default: 0.3 when "
@@ -50,6 +57,11 @@ NOT_THE_REGIME = (
     "(not SpecExec's regime: with the target {where}, a tree's pass costs more than one token's."
     " It pays where weights stream over a slow link: `python -m scripts.bench_disk --grow-to "
     "big-target`, then `python specexec.py --target big-target --offload ssd --compare`)"
+)
+
+NO_PROJECT_DRAFT = (
+    "(the project's draft has another tokenizer than {target}: {how}. For a draft model: "
+    "--draft int4, the target's own 4-bit copy, or --draft FOLDER, a model of its family)"
 )
 
 
@@ -68,12 +80,6 @@ class Parser(argparse.ArgumentParser):
 def finite(text):
     if not math.isfinite(value := float(text)):
         raise argparse.ArgumentTypeError(f"{text} is not a finite number")
-    return value
-
-
-def positive(text):
-    if (value := int(text)) < 1:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive integer")
     return value
 
 
@@ -103,8 +109,6 @@ def parse_args(argv=None):
     add("--dtype", choices=("auto", "float32", "float16", "bfloat16", "float64"), default="auto",
         help="auto: float32 on cpu (half precision runs about 6x slower there; with --offload "
         "ssd a half checkpoint is then read from a float32 copy), else the checkpoint's own")
-    add("--threads", type=positive, metavar="N", help="CPU threads of the target's passes "
-        "(default: one per core that other programs leave free)")
     add("--offload", choices=("ram", "ssd"), help="stream the target's layers from RAM or disk")
     add("--link", type=finite, metavar="GB/S", help="with --offload ram on the CPU: each "
         "streamed layer crosses a simulated link of this speed, beside compute, as layers cross "
@@ -175,8 +179,6 @@ def check_flags(args):
         (args.chat and sys.stdin is None, "--chat reads turns from standard input: it is closed"),
         (args.compare and args.opts.max_new_tokens == 0,
          "--compare times decoding: give it --max-new-tokens of at least 1"),
-        ((args.threads or 0) > (cores := os.cpu_count() or 1),
-         f"--threads {args.threads}: this machine has {cores} cores"),
     ]:  # fmt: on
         if wrong:
             raise SpecExecError(message)
@@ -188,6 +190,7 @@ def check_flags(args):
             "text: set PYTHONIOENCODING=utf-8"
         ) from None
     args.self_draft = args.draft in KINDS  # the target's own copy: its tokenizer too
+    args.project_draft = args.draft is None  # models/draft: it may not fit --target's tokenizer
     args.target = model_name(args.target, "--target")
     if args.draft != "none" and not args.self_draft:
         args.draft = model_name(args.draft, "--draft")
@@ -196,8 +199,9 @@ def check_flags(args):
 
 
 def model_name(name, flag):
-    """--target or --draft: a folder or hub id; None: the project's own (models/target or
-    models/draft); '' is no name, not the default."""
+    """--target or --draft: a folder or hub id, checked before torch loads (a path that holds no
+    model, a misspelt kind of --draft); None: the project's own (models/target or models/draft);
+    '' is no name, not the default."""
     if name is None:
         if not (CLONE / "models" / "target").is_dir():
             raise SpecExecError(
@@ -207,6 +211,10 @@ def model_name(name, flag):
         return str(CLONE / "models" / flag.removeprefix("--"))
     if not name.strip():
         raise SpecExecError(f"{flag} is empty: pass a model folder or a hub id")
+    misspelt = flag == "--draft" and KIND_LIKE.fullmatch(name)
+    if local_folder(name) is None and (misspelt or not HUB_ID.fullmatch(name)):
+        kinds = ", a hub id, none, int8 nor int4" if flag == "--draft" else " nor a hub id"
+        raise SpecExecError(f"{flag} {name}: neither a model folder{kinds}")
     return name
 
 
@@ -249,7 +257,6 @@ def run(args):
     opts, device = args.opts, pick_device(args.device)
     if args.link is not None and device.type != "cpu":
         raise SpecExecError(f"--link simulates a link on the CPU, not {device}: add --device cpu")
-    torch.set_num_threads(args.threads or free_cores())
     if not args.verbose:  # no per-tensor progress bars and load reports
         transformers_logging.disable_progress_bar()
         transformers_logging.set_verbosity_error()
@@ -262,6 +269,10 @@ def run(args):
     tokenizer = chat.load_tokenizer(target.folder, args.chat_template)
     own = draft is None or args.self_draft  # ids must mean the same text in both
     tokenizers = [tokenizer, tokenizer if own else chat.load_tokenizer(draft.folder)]
+    if args.project_draft and tokenizers[1].get_vocab() != tokenizer.get_vocab():
+        draft, tokenizers[1] = None, tokenizer  # a target of another family: no draft
+        how = "prompt lookup alone drafts" if opts.lookup else "it decodes plainly (--lookup 0)"
+        print(dim(NO_PROJECT_DRAFT.format(target=args.target, how=how)), flush=True)
     input_ids = None  # a chat without --prompt: its turns come later
     if args.prompt is not None:
         input_ids = chat.tokenize(tokenizer, args.prompt, args.chat_template, target.folder)
@@ -325,7 +336,8 @@ def report(target, draft, tokenizer, seq, limit, eos, args, device):
     run, policy = specexec.Run(target, draft, opts, limit), make_policy(opts, target, draft)
     tokens, stats = specexec.decode_loop(run, list(seq), policy, eos, Streamer(tokenizer))
     print("\n\n" + dim(f"specexec: {summary(stats)}"))
-    if explained := why_plain(stats):
+    explained = why_plain(stats, args.offload)  # or auto's own why, in the summary line
+    if explained:
         print(dim(explained))
     if args.offload:
         layers = target.config.num_hidden_layers
@@ -348,35 +360,46 @@ def report(target, draft, tokenizer, seq, limit, eos, args, device):
             f"speedup {speedup:.2f}x: SpecExec against plain decoding of the same target, both "
             f"warmed up ({stats.tokens_per_step:.2f} tokens per target pass)"
         )
-        if speedup < 1 and device.type == "cpu" and args.offload != "ssd":
+        told = explained or getattr(stats.policy, "why", "")  # one cause, said once
+        if speedup < 1 and device.type == "cpu" and args.offload != "ssd" and not told:
             where = "in memory" if not args.offload else "in RAM (on a CPU, a memory copy)"
             print(dim(NOT_THE_REGIME.format(where=where)))
     print("identical output" if base_tokens == tokens else "outputs differ")
 
 
-def free_cores():
-    """The default of --threads: one per core that other programs leave free (the load average
-    of the last minute), at least one. Torch's own default, one per core, collapses when another
-    program holds a core: its threads wait for each other at every step (docs/results.md)."""
-    cores = os.cpu_count() or 1
-    return max(1, min(cores, round(cores - os.getloadavg()[0])))
-
-
-def why_plain(stats):
-    """Where budget auto decoded mostly plainly: what its best tree would have given here, and
-    why plain decoding was faster (a first run in memory shows SpecExec's idea this way)."""
+def why_plain(stats, offload=None):
+    """Where budget auto decoded mostly plainly, the cause it acted on, from what it measured: its
+    best tree costs more than its tokens are worth, through the draft's passes (a dear draft) or
+    the target's pass over the tree (compute, which a tree multiplies); or its trees measured
+    slower only until late in the run. A short run's cause is auto's own `why`."""
     policy, plain = stats.policy, sum(1 for budget, _ in stats.budgets if not budget)
     if not getattr(policy, "gains", None) or 2 * plain < stats.steps:
         return None
     # A tree's gains were seen, so (1, 1) is among the trees rated: every tree has a node at depth 1
     rates = policy.rates()
     best = max((choice for choice in rates if choice[0]), key=rates.get)
-    (budget, depth), (tokens, _) = best, policy.gains[best]
+    (budget, depth), (tokens, passes) = best, policy.gains[best]
+    tree, plainly = apart(rates[best], rates[(0, 0)])
+    said = (
+        f"(auto decoded plainly in {plain} of {stats.steps} steps; its best tree, "
+        f"{count(budget, 'node')} {depth} deep, gives {tokens:.2f} tokens a target pass, {tree} "
+        f"tokens/s against {plainly} plainly"
+    )
+    if rates[best] > rates[(0, 0)]:  # trees paid by the end: no cause against them
+        return f"{said}: until late in the run, its trees measured slower)"
+    one, draft_s, tree_s = policy.t_target(1), passes * policy.draft_s, policy.t_target(budget + 1)
+    if draft_s > tree_s - one:  # the draft's passes cost more than the tree adds to the pass
+        draft, target = apart(draft_s, one)
+        return (
+            f"{said}. The cause: its draft, whose passes cost {draft} s a tree beside {target} s "
+            "for the target's pass (a smaller draft, or --draft none, may pay))"
+        )
+    over_tree, over_one = apart(tree_s, one)
+    where = "" if offload == "ssd" else " (see the README's streamed run, --offload ssd)"
     return (
-        f"(auto: its best tree here, {budget} nodes {depth} deep, would give {tokens:.2f} tokens "
-        f"per target pass, {rates[best]:.0f} tokens/s against {rates[(0, 0)]:.0f} decoding "
-        "plainly: this target's pass costs compute, which a tree multiplies. Trees pay where a "
-        "pass moves the weights: see the README's streamed run, --offload ssd)"
+        f"{said}. The cause: the target's pass, {over_tree} s over the tree against {over_one} s "
+        f"over one token: a pass here computes, which a tree multiplies. Trees pay where a pass "
+        f"moves the weights{where})"
     )
 
 
@@ -468,6 +491,14 @@ def summary(stats):
 def count(n, one):
     """'1 token', '2 tokens', '3 target passes'."""
     return f"{n} {one if n == 1 else one + ('es' if one.endswith('s') else 's')}"
+
+
+def apart(*values):
+    """The values to 3 significant digits, or as many more as tell different ones apart."""
+    digits = 3
+    while len({f"{v:.{digits}g}" for v in values}) < len(set(values)) and digits < 17:
+        digits += 1
+    return [f"{v:.{digits}g}" for v in values]
 
 
 def dim(text):

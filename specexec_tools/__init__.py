@@ -9,8 +9,8 @@ cost_model.py   the budget policies: a fixed budget, and budget "auto" (the cost
 
 Every refusal is one line naming the input; the command line prints it as `error: ...`, exit 2.
 This file holds the errors and the checks specexec.py calls (its options, generate's arguments,
-the logits' finiteness), and imports neither torch nor transformers at load: the command line
-checks its flags before torch loads.
+the logits' finiteness) and the local half of finding a model folder, and imports neither torch
+nor transformers at load: the command line checks its flags and paths before torch loads.
 """
 
 import math
@@ -46,6 +46,23 @@ def one_line(err):
     return " ".join(str(err).split())[:300] or type(err).__name__
 
 
+def local_folder(name):
+    """A model's name as a local folder, checked: the folder; None where the name can only be a
+    hub id (models.find_folder looks there). What is neither is one line naming it."""
+    path = expanded(name)
+    if path.is_dir():
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise OffloadError(f"{name}: cannot read this folder (permission denied)")
+        if not (path / "config.json").is_file():
+            raise OffloadError(f"{name}: no config.json in this folder")
+        return path
+    if path.exists():  # a file: a config.json or a text file, say
+        raise OffloadError(f"{name}: a file, not a model folder")
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:
+        raise OffloadError(f"{name}: no such model folder")
+    return None
+
+
 def check_options(opts):
     """Each of a specexec.Options' values, its type and range, in one line naming it; returns
     `opts`, each number as Python's own int or float (numpy's and Fraction fail deep in torch)."""
@@ -60,7 +77,7 @@ def check_options(opts):
             raise SpecExecError(f"{f.name} must be {kind}, got {value!r}")
         setattr(opts, f.name, int(value) if integer else float(value))
     lowest = dict(budget=1, max_depth=1, width=1, branch=1, max_new_tokens=0, top_k=0)
-    for name, least in (lowest | dict(lookup=0, draft_threads=0)).items():
+    for name, least in (lowest | dict(lookup=0, threads=0, draft_threads=0)).items():
         if getattr(opts, name) not in ("auto", None) and getattr(opts, name) < least:
             raise SpecExecError(f"{name} must be at least {least}, got {getattr(opts, name)}")
     cores = os.cpu_count() or 1  # more draft threads than cores: torch would crash
@@ -71,6 +88,7 @@ def check_options(opts):
         ("top_p", lambda p: 0 < p <= 1, "in (0, 1]"),
         ("seed", lambda s: s is None or 0 <= s < 2**64, "in [0, 2**64)"),
         ("draft_temperature", lambda t: t is None or 1e-2 <= t < math.inf, "in [0.01, inf)"),
+        ("threads", lambda n: (n or 0) <= cores, f"at most {cores} (the cores here)"),
         ("draft_threads", lambda n: (n or 0) <= cores, f"at most {cores} (the cores here)"),
     ]:
         if not ok(value := getattr(opts, name)):

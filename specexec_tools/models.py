@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from torch.nn.attention import SDPBackend
 
-from specexec_tools import OffloadError, SpecExecError, UnsupportedModel, expanded, one_line
+from specexec_tools import OffloadError, SpecExecError, UnsupportedModel, local_folder, one_line
 from specexec_tools.checkpoint import Checkpoint, check_weights, ties_head
 from specexec_tools.cost_model import draft_threads
 
@@ -48,17 +48,8 @@ def find_folder(name: str) -> Path:
     """A local model folder: the folder given, or a hub id's snapshot (cached, else downloaded:
     config, tokenizer and weights, .bin only where a repo has no safetensors). The one finder of
     the CLI's models and the offloader's; what it cannot find is one line naming `name`."""
-    path = expanded(name)
-    if path.is_dir():
-        if not os.access(path, os.R_OK | os.X_OK):
-            raise OffloadError(f"{name}: cannot read this folder (permission denied)")
-        if not (path / "config.json").is_file():
-            raise OffloadError(f"{name}: no config.json in this folder")
-        return path
-    if path.exists():  # a file: a config.json or a text file, say
-        raise OffloadError(f"{name}: a file, not a model folder")
-    if name.startswith((".", "/", "~")) or name.count("/") > 1:
-        raise OffloadError(f"{name}: no such model folder")
+    if (folder := local_folder(name)) is not None:
+        return folder
     from huggingface_hub import constants, snapshot_download
 
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt"]  # config, weights, tokenizer
@@ -197,6 +188,29 @@ def skeleton(config, folder: Path, dtype=None) -> torch.nn.Module:
 # shape planned. On a CPU the list changes nothing.
 ATTENTION_KERNELS = [k for name, k in SDPBackend.__members__.items() if "CUDNN" not in name]
 ATTENTION_KERNELS.remove(SDPBackend.ERROR)
+
+
+TORCH_THREADS = torch.get_num_threads()  # torch's own count, as specexec found it
+
+
+def use_threads(threads):
+    """Set the CPU threads of a run's target passes (Options.threads): as given; 0: as set; None:
+    one per core that other programs leave free (the command line's default), unless the caller
+    chose torch's count (OMP_NUM_THREADS or MKL_NUM_THREADS, or torch.set_num_threads to another
+    count than torch's own). Torch's own, one per core, collapses when another program holds a
+    core: its threads wait for each other at every step (docs/results.md)."""
+    chosen = {"OMP_NUM_THREADS", "MKL_NUM_THREADS"} & set(os.environ)
+    if threads is None and not chosen and torch.get_num_threads() == TORCH_THREADS:
+        threads = free_cores()
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def free_cores():
+    """One thread per core that other programs leave free (the load average of the last
+    minute), at least one."""
+    cores = os.cpu_count() or 1
+    return max(1, min(cores, round(cores - os.getloadavg()[0])))
 
 
 class Clock:
@@ -382,6 +396,12 @@ def quiet():
 
 # ---- the pair and the prompt, before any weight is read ----
 
+# Where the draft cannot serve the target, the command line's ways on (only it gives the tokenizers)
+OTHER_DRAFTS = (
+    "pass a draft of the target's family, --draft int4 (the target's own 4-bit copy) or "
+    "--draft none (prompt lookup alone)"
+)
+
 
 def preflight(target, draft, input_ids, eos_token_id=None, tokenizers=None):
     """Check a run's inputs; return (prompt as a list of ints, positions usable, EOS ids).
@@ -407,7 +427,8 @@ def preflight(target, draft, input_ids, eos_token_id=None, tokenizers=None):
             differ = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=lambda kv: kv[1])
             raise SpecExecError(
                 f"target and draft tokenizers differ ({len(t_vocab)} vs {len(d_vocab)} tokens; "
-                f"first difference: {differ[0][0]!r} id {differ[0][1]}); they must share one"
+                f"first difference: {differ[0][0]!r} id {differ[0][1]}); they must share one: "
+                f"{OTHER_DRAFTS}"
             )
         for model in models.values():  # and each id a row in each model's embedding
             if len(tokenizers[0]) > model.config.vocab_size:
@@ -421,6 +442,7 @@ def preflight(target, draft, input_ids, eos_token_id=None, tokenizers=None):
         raise SpecExecError(
             f"the draft's vocabulary ({draft.config.vocab_size}) is larger than the target's "
             f"({target.config.vocab_size}); they must share a tokenizer"
+            + (f": {OTHER_DRAFTS}" if tokenizers else "")  # the command line's
         )
     # the context: the positions every model here can use
     limit = min(model.config.max_position_embeddings for model in models.values())
