@@ -252,8 +252,9 @@ def run(cfg, folder):
           f"{os.getloadavg()[0]:.1f}")  # fmt: skip
     on = f"{os.cpu_count()}-core CPU" if device.type == "cpu" else torch.cuda.get_device_name()
     versus = ", against accelerate's offload" if peer else ""
-    title = (f"A {nbytes / 1e9:.1f} GB target streamed from {cfg.offload} each pass, greedy"
-             f"{versus}\n({folder.name}, float32; draft {Path(what).name}; "
+    across = f" across a simulated {cfg.link} GB/s link" if cfg.link else ""
+    title = (f"A {nbytes / 1e6:,.0f} MB target streamed from {cfg.offload}{across} each pass, "
+             f"greedy{versus}\n({folder.name}, float32; draft {Path(what).name}; "
              f"{on}, {started[:10]}); lines: the rows without a fixed budget")  # fmt: skip
     common.plot_budgets(rows, cfg.plot, title)
 
