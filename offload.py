@@ -385,7 +385,9 @@ class LayerRing:
     released last: at most `buffers` streamed layers are in flight, landed or running at once."""
 
     def __init__(self, storage, sizes, buffers: int, n_layers: int, n_resident: int, ops):
-        self.storage, self.sizes, self.ops = storage, sizes, ops
+        self.storage = storage
+        self.sizes = sizes
+        self.ops = ops
         # resident layers spread evenly through the pass: while one computes, the next streamed
         # layer keeps loading, where a block of them would leave the stream idle that long
         spread = [(j + 1) * n_layers // n_resident - 1 for j in range(n_resident)]
@@ -397,9 +399,9 @@ class LayerRing:
         # prefetched as each streamed layer starts: the one `lookahead` on (past the end: wrapped)
         self.after = dict(zip(self.order, self.order[ahead:] + self.order[:ahead]))
         self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-reader")
-        # queue: Loads in the order they will be used, not yet handed out; in_use: the Load handed
-        # out by wait(), not yet released; whole: the last pass ran to its end (see start_pass)
-        self.queue, self.in_use, self.whole = deque(), None, True
+        self.queue = deque()  # Loads in the order they will be used, not yet handed out
+        self.in_use = None  # the Load handed out by wait(), not yet released
+        self.whole = True  # the last pass ran to its end (see start_pass)
 
     def start_pass(self) -> None:
         """Keep what the last pass prefetched for its first layers; start from nothing loaded
@@ -452,7 +454,8 @@ class LayerRing:
 
     def release(self) -> None:
         """The slot in use may be refilled once the compute queued so far has run."""
-        self.freed[self.in_use.slot], self.in_use = self.ops.record("compute"), None
+        self.freed[self.in_use.slot] = self.ops.record("compute")
+        self.in_use = None
 
     def drain(self) -> None:
         """Back to the start state, nothing loaded: the slot in use released, and every load
