@@ -213,9 +213,19 @@ def free_cores():
     return max(1, min(cores, round(cores - os.getloadavg()[0])))
 
 
+def draft_threads(opts, draft):
+    """The draft's CPU threads: as given; by default one for a small draft, whose pass is a few
+    small matmuls that more threads only slow down on a busy CPU (they wait for each other:
+    docs/results.md), and torch's setting (0) for a big one (a real model's layers, the target's
+    own int4 copy)."""
+    if opts.draft_threads is not None:
+        return opts.draft_threads
+    return 1 if weights(draft) < 50e6 else 0
+
+
 class Clock:
     """Where a step's seconds go (specexec.speculative_step), set once for a run: its draft phase
-    (the tree), on the draft's CPU threads where it drafts (draft_threads, below), its target
+    (the tree), on the draft's CPU threads where it drafts (draft_threads, above), its target
     phase (the pass and acceptance), each until its device's work is done (on a GPU, its queue),
     and the whole step from its draft phase on."""
 
@@ -250,16 +260,6 @@ class Clock:
     def step_seconds(self):
         """The step's phases, and all of it until now (draft_s, target_s, total_s)."""
         return self.seconds | {"total_s": time.perf_counter() - self.start}
-
-
-def draft_threads(opts, draft):
-    """The draft's CPU threads: as given; by default one for a small draft, whose pass is a few
-    small matmuls that more threads only slow down on a busy CPU (they wait for each other:
-    docs/results.md), and torch's setting (0) for a big one (a real model's layers, the target's
-    own int4 copy)."""
-    if opts.draft_threads is not None:
-        return opts.draft_threads
-    return 1 if weights(draft) < 50e6 else 0
 
 
 def synchronize(device):
