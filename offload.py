@@ -78,24 +78,46 @@ class OffloadedCausalLM(nn.Module):
             storage.close()
         hf_model.model.layers = self.streamed
         self.hf = hf_model  # all on the device, except the decoder layers' weights
-        # what each layer moves; the ssd tier's copy (or None); int8 / int4 (or None)
-        self.layouts, self.converted_folder, self.quantized = storage.layouts, converted, kind
+        self.layouts = storage.layouts  # what each layer moves
+        self.converted_folder = converted  # the ssd tier's copy (or None)
+        self.quantized = kind  # int8 / int4 (or None)
         self.stats = PassStats(resident_layers=len(self.ring.resident))
         self.pass_costs = {}  # tokens -> (seconds, seconds not waiting for weights): time_passes
 
-    config = property(lambda self: self.hf.config)
-    generation_config = property(lambda self: self.hf.generation_config)
-    device = property(lambda self: self.hf.lm_head.weight.device)
-    dtype = property(lambda self: self.hf.lm_head.weight.dtype)
-    pinned_bytes = property(lambda self: self.ring.ops.pinned_bytes)  # host memory pinned (CUDA)
-    closed = property(lambda self: not self.finalizer.alive)
-    streams = property(lambda self: bool(self.ring.order))  # some layer moves every pass
+    @property
+    def config(self):
+        return self.hf.config
+
+    @property
+    def generation_config(self):
+        return self.hf.generation_config
+
+    @property
+    def device(self) -> torch.device:
+        return self.hf.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.hf.lm_head.weight.dtype
+
+    @property
+    def pinned_bytes(self) -> int:
+        return self.ring.ops.pinned_bytes  # host memory pinned (CUDA)
+
+    @property
+    def closed(self) -> bool:
+        return not self.finalizer.alive
+
+    @property
+    def streams(self) -> bool:
+        return bool(self.ring.order)  # some layer moves every pass
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, **kwargs):  # (batch, q); as the wrapped model's
         if self.closed:  # its reader thread and files are gone
             raise OffloadError("this offloaded model was closed; load it again to use it")
-        started, ops = time.perf_counter(), self.ring.ops
+        started = time.perf_counter()
+        ops = self.ring.ops
         self.stats = PassStats(resident_layers=len(self.ring.resident))  # this pass's
         self.streamed.waits.clear()
         # the link's idle time since the last pass: from its last load's landing to now (still
@@ -131,8 +153,15 @@ class OffloadedCausalLM(nn.Module):
             self(torch.zeros(1, n, dtype=torch.long))  # (1, n)
             self.pass_costs[n] = self.stats.pass_s, self.stats.pass_s - self.stats.wait_s
 
-    close = lambda self: self.finalizer()  # a second call does nothing
-    __enter__, __exit__ = lambda self: self, lambda self, *exc: self.close()
+    def close(self) -> None:
+        """Give back the reader thread, files and pinned memory; a second call does nothing."""
+        self.finalizer()
+
+    def __enter__(self) -> "OffloadedCausalLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 @dataclass
@@ -147,14 +176,18 @@ class PassStats:
     # while the draft still grew its tree (0: loads ran all along, or nothing was loading)
     link_idle_s: float = 0.0
 
-    gb_per_s = property(lambda self: self.bytes_moved / self.pass_s / 1e9 if self.pass_s else 0.0)
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes_moved / self.pass_s / 1e9 if self.pass_s else 0.0
 
     def summary(self, n_layers: int) -> str:
         """One line: the resident layers, and what the pass moved and waited for."""
         rate = f" ({self.gb_per_s:.2f} GB/s)" if self.bytes_moved > 1e8 else ""
-        return (f"{self.resident_layers} of {n_layers} layers resident; the last target pass moved "
-                f"{self.bytes_moved / 1e6:,.1f} MB in {self.pass_s:.3f}s{rate}, {self.wait_s:.3f}s "
-                "of it waiting for weights")  # fmt: skip
+        return (
+            f"{self.resident_layers} of {n_layers} layers resident; the last target pass moved "
+            f"{self.bytes_moved / 1e6:,.1f} MB in {self.pass_s:.3f}s{rate}, {self.wait_s:.3f}s "
+            "of it waiting for weights"
+        )
 
 
 def bind(layer: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -170,8 +203,10 @@ class StreamedLayers:
     `self.layers[: config.num_hidden_layers]`; slicing gives the same stream over fewer layers."""
 
     def __init__(self, layers: nn.ModuleList, ring: "LayerRing"):
-        # waits, this pass's: (streamed layer, events on compute around its wait)
-        self.layers, self.ring, self.indices, self.waits = layers, ring, range(len(layers)), []
+        self.layers = layers
+        self.ring = ring
+        self.indices = range(len(layers))  # the layers this stream runs (a slice: fewer)
+        self.waits = []  # this pass's: (streamed layer, events on compute around its wait)
         # between runs a decoder layer rests on meta tensors: shapes, no bytes
         self.unbound = [{n: p.data for n, p in layer.named_parameters()} for layer in layers]
 
@@ -215,11 +250,17 @@ class StreamedLayers:
 
 
 def from_pretrained(
-    name_or_path: "str | os.PathLike | models.Opened", *, mode: str = "ram",
-    device: "str | torch.device | Cpu | None" = None, dtype: torch.dtype | str | None = None,
-    offload_dir: str | os.PathLike | None = None, buffers: int = 2, quantize: str | None = None,
-    device_memory: float | None = None, context: int | None = None,
-) -> OffloadedCausalLM:  # fmt: skip
+    name_or_path: "str | os.PathLike | models.Opened",
+    *,
+    mode: str = "ram",
+    device: "str | torch.device | Cpu | None" = None,
+    dtype: torch.dtype | str | None = None,
+    offload_dir: str | os.PathLike | None = None,
+    buffers: int = 2,
+    quantize: str | None = None,
+    device_memory: float | None = None,
+    context: int | None = None,
+) -> OffloadedCausalLM:
     """An offloaded causal LM from a model folder, a hub id or a models.Opened (decoder layers at
     `model.layers`); every error an OffloadError with a one-line message. mode "ram": every layer
     in one host arena; "ssd": layers read from safetensors every pass (the checkpoint's own files
@@ -247,7 +288,8 @@ def from_pretrained(
         device = models.as_device(device)
         ops = Cuda(device) if device.type == "cuda" else Cpu()
     opened = models.open_model(name_or_path)  # refused here iff in memory too
-    ckpt, n_layers = opened.checkpoint, opened.config.num_hidden_layers
+    ckpt = opened.checkpoint
+    n_layers = opened.config.num_hidden_layers
     dtype = models.as_dtype(dtype) or ckpt.dtype
     models.check_dtype_runs(ops.device, dtype)
     # on meta: only the parts that stay on the device get bytes
@@ -262,8 +304,8 @@ def from_pretrained(
     with contextlib.ExitStack() as undo:  # failing from here on, give back what was taken
         undo.callback(ops.close)
         if mode == "ram":  # every layer into one arena: the big read
-            stored, converted = pack(quant.stored_layer(shapes, dtype, quantize)), None
-            storage = RamStorage(stored, n_layers, ops)
+            converted = None
+            storage = RamStorage(pack(quant.stored_layer(shapes, dtype, quantize)), n_layers, ops)
             undo.callback(storage.close)
             storage.fill(ckpt, shapes, dtype, quantize)
         else:  # the checkpoint's own files where they fit, else a converted copy
@@ -301,18 +343,23 @@ def slot_sizes(ckpt, shapes: dict, n_layers: int, dtype, kind, straight: bool) -
 def count_resident(hf, dtype, device_memory, context, buffers, sizes: SlotSizes) -> int:
     """The most k layers whose buffers, with the ring's min(buffers, n - k) slots, fit in
     `device_memory` beside the parts outside the decoder layers and a KV cache of `context`."""
-    config, n_layers = hf.config, hf.config.num_hidden_layers
+    config = hf.config
+    n_layers = config.num_hidden_layers
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     positions = context or config.max_position_embeddings  # the KV cache's
     fixed = 2 * n_layers * heads * head_dim * dtype.itemsize * positions
     fixed += sum(p.nbytes for n, p in hf.named_parameters() if not n.startswith("model.layers."))
-    fits = [k for k in range(n_layers + 1) if fixed + k * sizes.resident
-            + min(buffers, n_layers - k) * sizes.slot <= device_memory]  # fmt: skip
+    fits = [
+        k
+        for k in range(n_layers + 1)
+        if fixed + k * sizes.resident + min(buffers, n_layers - k) * sizes.slot <= device_memory
+    ]
     if not fits:
-        raise OffloadError(f"device_memory {device_memory / 1e9:.3f} GB: the head and {positions}"
-                           f" positions of KV cache take {fixed / 1e9:.3f} GB, leaving too little"
-                           f" for {buffers} slots")  # fmt: skip
+        raise OffloadError(
+            f"device_memory {device_memory / 1e9:.3f} GB: the head and {positions} positions of "
+            f"KV cache take {fixed / 1e9:.3f} GB, leaving too little for {buffers} slots"
+        )
     return max(fits)
 
 
@@ -338,7 +385,9 @@ class LayerRing:
     released last: at most `buffers` streamed layers are in flight, landed or running at once."""
 
     def __init__(self, storage, sizes, buffers: int, n_layers: int, n_resident: int, ops):
-        self.storage, self.sizes, self.ops = storage, sizes, ops
+        self.storage = storage
+        self.sizes = sizes
+        self.ops = ops
         # resident layers spread evenly through the pass: while one computes, the next streamed
         # layer keeps loading, where a block of them would leave the stream idle that long
         spread = [(j + 1) * n_layers // n_resident - 1 for j in range(n_resident)]
@@ -350,9 +399,9 @@ class LayerRing:
         # prefetched as each streamed layer starts: the one `lookahead` on (past the end: wrapped)
         self.after = dict(zip(self.order, self.order[ahead:] + self.order[:ahead]))
         self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-reader")
-        # queue: Loads in the order they will be used, not yet handed out; in_use: the Load handed
-        # out by wait(), not yet released; whole: the last pass ran to its end (see start_pass)
-        self.queue, self.in_use, self.whole = deque(), None, True
+        self.queue = deque()  # Loads in the order they will be used, not yet handed out
+        self.in_use = None  # the Load handed out by wait(), not yet released
+        self.whole = True  # the last pass ran to its end (see start_pass)
 
     def start_pass(self) -> None:
         """Keep what the last pass prefetched for its first layers; start from nothing loaded
@@ -405,7 +454,8 @@ class LayerRing:
 
     def release(self) -> None:
         """The slot in use may be refilled once the compute queued so far has run."""
-        self.freed[self.in_use.slot], self.in_use = self.ops.record("compute"), None
+        self.freed[self.in_use.slot] = self.ops.record("compute")
+        self.in_use = None
 
     def drain(self) -> None:
         """Back to the start state, nothing loaded: the slot in use released, and every load
@@ -438,20 +488,26 @@ class Layout(NamedTuple):
 
     def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed, shaped views of a flat uint8 buffer; no copy."""
-        return {name: buffer[at : at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-                for name, (at, dtype, shape) in self.tensors.items()}  # fmt: skip
+        views = {}
+        for name, (at, dtype, shape) in self.tensors.items():
+            nbytes = math.prod(shape) * dtype.itemsize
+            views[name] = buffer[at : at + nbytes].view(dtype).view(shape)
+        return views
 
 
 def pack(tensors: dict) -> Layout:
     """Tensors (meta, or files.Entry) end to end, each on a page: a RAM or staged slot's layout."""
-    specs, offset = {}, 0
+    specs = {}
+    offset = 0
     for name, tensor in tensors.items():
         specs[name] = TensorSpec(offset, tensor.dtype, tuple(tensor.shape))
         offset += round_up(math.prod(tensor.shape) * tensor.dtype.itemsize)
     return Layout(specs, offset)
 
 
-round_up = lambda nbytes: -(-nbytes // PAGE) * PAGE  # to whole pages
+def round_up(nbytes: int) -> int:
+    """To whole pages."""
+    return -(-nbytes // PAGE) * PAGE
 
 
 class Storage:
@@ -462,17 +518,22 @@ class Storage:
 
     reads_ssd = False  # whether a load blocks the host on the SSD
 
-    views = lambda self, layer, slot: self.layouts[layer].views(slot)  # its parameters
+    def views(self, layer: int, slot: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.layouts[layer].views(slot)  # the decoder layer's parameters
 
-    resident_views = views  # a resident layer's buffer is a slot
-    load_resident = lambda self, layer, buffer, ops: self.load(layer, buffer, ops)
+    def resident_views(self, layer: int, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.layouts[layer].views(buffer)  # a resident layer's buffer is a slot
+
+    def load_resident(self, layer: int, buffer: torch.Tensor, ops):
+        return self.load(layer, buffer, ops)  # as into a slot
 
 
 class RamStorage(Storage):
     """All layers in ONE host arena (pinned on CUDA), one region per layer: one copy moves it."""
 
     def __init__(self, layout: Layout, n_layers: int, ops):
-        self.layouts, self.ops = [layout] * n_layers, ops  # every layer's layout; whole pages
+        self.layouts = [layout] * n_layers  # every layer's layout; whole pages
+        self.ops = ops
         self.arena = ops.host_buffer(n_layers * layout.nbytes)  # pinned on CUDA: no bounce
         self.buffers = [self.arena[i * layout.nbytes :][: layout.nbytes] for i in range(n_layers)]
 
@@ -492,7 +553,8 @@ class RamStorage(Storage):
         """Unpin the arena (once its copies have run) and let it go: nothing reads it again."""
         if self.buffers:
             self.ops.free_host(self.arena)
-            self.arena, self.buffers = None, []
+            self.arena = None
+            self.buffers = []
 
 
 # One pread: `nbytes` of `path` from `file_offset` (whole pages asked) to `buffer_offset`
@@ -503,7 +565,8 @@ def plan_reads(entries: dict[str, files.Entry]) -> tuple[Layout, list[Read]]:
     """Merge one layer's tensors into page-aligned ranges of their files, one read per range (a
     layer is usually one range per file): a tensor sits in the buffer where it sat in its file,
     shifted by where its range landed."""
-    tensors, reads = {}, []
+    tensors = {}
+    reads = []
     for name, entry in sorted(entries.items(), key=lambda item: (str(item[1].path), item[1].start)):
         last = reads[-1] if reads else None
         covered = last.file_offset + round_up(last.nbytes) if last else 0  # the range's file end
@@ -523,33 +586,40 @@ class SsdStorage(Storage):
     overlap; chunk k is read into again once its last copy finished, the one wait that blocks the
     host. Read straight in (O_DIRECT), tensors keep their file's alignment (CPUs don't mind)."""
 
-    # piece_nbytes: the most one pread asks for (through staging: a chunk)
-    piece_nbytes, reads_ssd = 32 * 2**20, True
+    piece_nbytes = 32 * 2**20  # the most one pread asks for (through staging: a chunk)
+    reads_ssd = True
 
     def __init__(self, layers: list[dict[str, files.Entry]], ops):
         self.layouts, self.reads = zip(*(plan_reads(entries) for entries in layers), strict=True)
         if ops.staging:  # copied on from staging: each tensor where `pack` puts it
             self.layouts = [pack(entries) for entries in layers]
-        # entries: name -> where in its file, per layer; fds and chunks: what close() gives back,
-        # however far __init__ got before failing
-        self.entries, self.ops, self.fds, self.chunks = layers, ops, {}, []
+        self.entries = layers  # name -> where in its file, per layer
+        self.ops = ops
+        # what close() gives back, however far __init__ got before failing
+        self.fds = {}
+        self.chunks = []
         self.pool = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="offload-ssd")
         try:
             for path in {read.path for reads in self.reads for read in reads}:
                 self.fds[path] = files.open_direct(path)
-            count, self.piece_nbytes = ops.staging or (0, self.piece_nbytes)
-            for _ in range(count):
-                self.chunks.append(ops.host_buffer(self.piece_nbytes))  # (chunk,)
+            if ops.staging:  # the device reads no host memory: (how many chunks, bytes each)
+                count, self.piece_nbytes = ops.staging
+                for _ in range(count):
+                    self.chunks.append(ops.host_buffer(self.piece_nbytes))  # (chunk,)
         except BaseException:
             self.close()
             raise
-        self.copied, self.next = [None] * count, 0  # each chunk's last copy; the next read's chunk
+        self.copied = [None] * len(self.chunks)  # each chunk's last copy
+        self.next = 0  # the next read's chunk
 
     def load(self, layer: int, slot: torch.Tensor, ops):
         """Read a layer into `slot` (page-aligned): straight in, or chunk by chunk via staging."""
         most = self.piece_nbytes  # each range in pieces of whole pages, one pread each
-        pieces = [Read(r.path, r.file_offset + s, min(most, r.nbytes - s), r.buffer_offset + s)
-                  for r in self.reads[layer] for s in range(0, r.nbytes, most)]  # fmt: skip
+        pieces = [
+            Read(r.path, r.file_offset + s, min(most, r.nbytes - s), r.buffer_offset + s)
+            for r in self.reads[layer]
+            for s in range(0, r.nbytes, most)
+        ]
         reading = deque()  # (piece, its staging chunk k or None, its pread), oldest first
         try:
             for piece in pieces:
@@ -557,7 +627,8 @@ class SsdStorage(Storage):
                 if self.chunks:  # the device reads no host memory: through staging chunk k
                     if len(reading) == min(2, len(self.chunks)):  # the oldest read's chunk goes on
                         self.copy_on(layer, slot, *reading.popleft(), ops)
-                    k, self.next = self.next, (self.next + 1) % len(self.chunks)
+                    k = self.next
+                    self.next = (k + 1) % len(self.chunks)
                     if self.copied[k] is not None:  # its last copy may still be reading it
                         ops.host_wait(self.copied[k])
                 into = self.chunks[k] if self.chunks else slot[piece.buffer_offset :]
@@ -575,9 +646,11 @@ class SsdStorage(Storage):
         pread.result()
         if k is None:  # it was read straight into the slot
             return
-        lo, hi = piece.file_offset, piece.file_offset + piece.nbytes  # where the chunk's bytes were
+        lo = piece.file_offset  # where the chunk's bytes were in the file: lo up to hi
+        hi = piece.file_offset + piece.nbytes
         for name, entry in self.entries[layer].items():
-            start, end = max(entry.start, lo), min(entry.end, hi)
+            start = max(entry.start, lo)  # the tensor's bytes in the chunk
+            end = min(entry.end, hi)
             if entry.path == piece.path and start < end:
                 at = self.layouts[layer].tensors[name].offset + start - entry.start
                 ops.copy(slot[at : at + end - start], self.chunks[k][start - lo : end - lo])
@@ -589,7 +662,8 @@ class SsdStorage(Storage):
             os.close(fd)
         for chunk in self.chunks:
             self.ops.free_host(chunk)
-        self.fds, self.chunks = {}, []
+        self.fds = {}
+        self.chunks = []
 
 
 def dequantized_layouts(shapes: dict, dtype: torch.dtype) -> tuple[Layout, Layout]:
@@ -605,8 +679,12 @@ class Dequantizing(Storage):
     copy stream goes on meanwhile; "ready" is the dequantizing's). Resident: what compute reads."""
 
     def __init__(self, storage: Storage, shapes: dict, dtype, kind: str, sizes: SlotSizes):
-        self.storage, self.layouts, self.kind = storage, storage.layouts, kind
-        self.reads_ssd, self.sizes = storage.reads_ssd, sizes
+        self.storage = storage
+        self.layouts = storage.layouts  # what a load moves: the quantized layer
+        self.reads_ssd = storage.reads_ssd
+        self.kind = kind
+        self.sizes = sizes
+        # where a slot's dequantized weights go, after the moved bytes; a resident layer's buffer
         self.weights, self.plain = dequantized_layouts(shapes, dtype)
 
     def load(self, layer: int, slot: torch.Tensor, ops):
@@ -615,7 +693,8 @@ class Dequantizing(Storage):
         ops.convert(quant.dequantize_layer, self.layouts[layer].views(slot), weights, self.kind)
         return ops.record("dequant")
 
-    resident_views = lambda self, layer, buffer: self.plain.views(buffer)
+    def resident_views(self, layer: int, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.plain.views(buffer)  # as compute reads them
 
     def load_resident(self, layer: int, buffer: torch.Tensor, ops):
         """Through a slot of its own, then what compute reads into `buffer`; the slot goes after."""
@@ -633,7 +712,8 @@ class Dequantizing(Storage):
         as_moved = {name: t for name, t in moved.items() if not name.endswith((".q", ".scale"))}
         return as_moved | self.weights.views(slot[self.sizes.moved :])
 
-    close = lambda self: self.storage.close()
+    def close(self) -> None:
+        self.storage.close()
 
 
 # ---- the device: what the ring asks of it (buffers, copies, events), on CUDA or the CPU ----
@@ -655,9 +735,10 @@ class Cpu:
     70B model's 36 GB over PCIe against an H100's), a pass over a big tree costs about what a pass
     over one token does. It shows the regime; it is not the speed of any real hardware."""
 
-    # staging None: slots are host memory, where an ssd read lands directly. queues False: copies
-    # run when issued, on the issuing thread (the reader's, beside compute)
-    staging, queues, device, pinned_bytes = None, False, torch.device("cpu"), 0
+    staging = None  # slots are host memory, where an ssd read lands directly
+    queues = False  # copies run when issued, on the issuing thread (the reader's, beside compute)
+    device = torch.device("cpu")
+    pinned_bytes = 0
     link_gb_per_s = None
 
     def __init__(self, link_gb_per_s: float | None = None):
@@ -713,15 +794,18 @@ class Cuda(Cpu):
     for byte (`pin_memory=True` rounds up to a power of two: 16 GiB for a 12 GiB model). Right by
     construction; the tests run its ordering on a fake device."""
 
-    # staging: pinned chunks an ssd read passes through (count, bytes each); queues: a copy is
-    # queued on the copy stream and the host goes on at once
-    staging, queues = (4, 32 * 2**20), True
+    staging = (4, 32 * 2**20)  # pinned chunks an ssd read passes through: (count, bytes each)
+    queues = True  # a copy is queued on the copy stream and the host goes on at once
 
     def __init__(self, device: torch.device):
-        self.device, self.registered, self.pinned_bytes = device, [], 0
+        self.device = device
+        self.registered = []  # host buffers pinned, until freed
+        self.pinned_bytes = 0
         self.streams = {name: torch.cuda.Stream(device) for name in ("copy", "dequant")}
 
-    stream = lambda self, name: self.streams.get(name) or torch.cuda.current_stream(self.device)
+    def stream(self, name: str) -> torch.cuda.Stream:
+        """The copy or dequant stream; compute: the current one."""
+        return self.streams.get(name) or torch.cuda.current_stream(self.device)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         buffer = page_aligned(nbytes, torch.device("cpu"))  # (nbytes,)
@@ -749,16 +833,24 @@ class Cuda(Cpu):
         event.record(self.stream(stream))
         return event
 
-    seconds = lambda self, start, end: start.elapsed_time(end) / 1e3
-    wait_event = lambda self, stream, event: self.stream(stream).wait_event(event)  # host goes on
-    host_wait = lambda self, event: event.synchronize()
+    def seconds(self, start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        return start.elapsed_time(end) / 1e3
+
+    def wait_event(self, stream: str, event: torch.cuda.Event) -> None:
+        self.stream(stream).wait_event(event)  # on the device: the host goes on
+
+    def host_wait(self, event: torch.cuda.Event) -> None:
+        event.synchronize()
 
     def on(self, stream: str, fn, *args, **kwargs) -> None:
         with torch.cuda.stream(self.streams[stream]):
             fn(*args, **kwargs)
 
-    copy = lambda self, dst, src: self.on("copy", dst.copy_, src, non_blocking=True)
-    convert = lambda self, fn, *args: self.on("dequant", fn, *args)
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.on("copy", dst.copy_, src, non_blocking=True)
+
+    def convert(self, fn, *args) -> None:
+        self.on("dequant", fn, *args)
 
     def close(self) -> None:
         for buffer in list(self.registered):  # what a storage left pinned (normally nothing)

@@ -197,7 +197,7 @@ def test_the_root_states_the_brief_and_the_library_reads_one_way():
     body = ast.parse(step).body[0].body[1:]  # its code, after the docstring
     assert sum(code_lines_of(ast.get_source_segment(step, node)) for node in body) <= 20
     offload = (HERE / "offload.py").read_text().splitlines()
-    assert len(offload) <= 720
+    assert len(offload) <= 860  # (plain over short: defs for lambdas)
     first = next(
         i for i, line in enumerate(offload, 1) if re.match(r"class \w*(Ring|CausalLM)", line)
     )
@@ -211,7 +211,7 @@ def test_the_root_states_the_brief_and_the_library_reads_one_way():
 
 # Library files that others are cleaning of line golf now (issue 60); the lead empties this list
 # once they pass, and then drops E731 from ruff's ignore list in pyproject.toml.
-STILL_TO_CLEAN = ["offload.py", "specexec_tools/cost_model.py", "specexec_app/cli.py"]
+STILL_TO_CLEAN = ["specexec_app/cli.py"]
 
 
 def golf(source):

@@ -675,7 +675,7 @@ def test_cost_model_learns_from_what_the_target_followed():
 
 
 def test_cost_model_charges_what_steps_took_and_scales_what_it_predicts():
-    """A (budget, depth) that ran is charged the seconds its steps took; one that did not, its
+    """A (budget, max_depth) that ran is charged the seconds its steps took; one that did not, its
     parts, scaled by how far the parts fell short of whole steps."""
     cost = CostModel(max_depth=8, target_s={1: 1.0, 65: 3.0}, draft_s=0.1, steps=1, largest=8)
     tree = chain_tree(8, logprob=-0.1)
@@ -746,14 +746,14 @@ def simulate(cost, n_tokens, followed, draft_s, pass_s, prompt=100):
     the choices and tokens per (made-up) second against plain decoding's."""
     choices, tokens, seconds, fed = [], 0, 0.0, prompt
     while tokens < n_tokens:
-        budget, depth = cost.choose()
-        choices.append((budget, depth))
+        budget, max_depth = cost.choose()
+        choices.append((budget, max_depth))
         if budget:
-            passes = min(budget, depth)
+            passes = min(budget, max_depth)
             tree = chain_tree(passes, logprob=-0.05)
             path = list(range(1, 1 + min(followed, passes)))  # the nodes the target follows
             drafting = (passes + (fed > 1) * prompt / 10) * draft_s
-            observe(cost, (budget, depth), fed + budget, drafting, pass_s(fed + budget), passes,
+            observe(cost, (budget, max_depth), fed + budget, drafting, pass_s(fed + budget), passes,
                     tree, path)  # fmt: skip
             tokens, seconds = tokens + len(path) + 1, seconds + drafting + pass_s(fed + budget)
         else:
@@ -1482,8 +1482,8 @@ def test_draft_threads_one_for_a_small_draft_torchs_setting_for_a_big_one():
         config=types.SimpleNamespace(hidden_size=576, num_hidden_layers=30, vocab_size=49152)
     )  # SmolLM2-135M's shape
     for draft, threads in ((small, 1), (big, 0)):
-        assert cost_model.draft_threads(specexec.Options(), draft) == threads
-        assert cost_model.draft_threads(specexec.Options(draft_threads=2), draft) == 2
+        assert models.draft_threads(specexec.Options(), draft) == threads
+        assert models.draft_threads(specexec.Options(draft_threads=2), draft) == 2
 
 
 @pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one core: one count of threads only")

@@ -32,7 +32,7 @@ from torch.nn.attention import SDPBackend
 
 from specexec_tools import OffloadError, SpecExecError, UnsupportedModel, local_folder, one_line
 from specexec_tools.checkpoint import Checkpoint, check_weights, ties_head
-from specexec_tools.cost_model import draft_threads
+from specexec_tools.cost_model import weights
 
 # How a model is handed its KV cache: transformers 5.24 renamed the forward's `past_key_values`
 # to `cache` (the old name warns on stderr, and goes in 5.40). Every call passes `**{CACHE: c}`.
@@ -213,12 +213,21 @@ def free_cores():
     return max(1, min(cores, round(cores - os.getloadavg()[0])))
 
 
+def draft_threads(opts, draft):
+    """The draft's CPU threads: as given; by default one for a small draft, whose pass is a few
+    small matmuls that more threads only slow down on a busy CPU (they wait for each other:
+    docs/results.md), and torch's setting (0) for a big one (a real model's layers, the target's
+    own int4 copy)."""
+    if opts.draft_threads is not None:
+        return opts.draft_threads
+    return 1 if weights(draft) < 50e6 else 0
+
+
 class Clock:
     """Where a step's seconds go (specexec.speculative_step), set once for a run: its draft phase
-    (the tree), on the draft's CPU threads where it drafts (cost_model.draft_threads: a small
-    draft's pass is a few small matmuls, and on a busy CPU more threads wait for each other,
-    docs/results.md), its target phase (the pass and acceptance), each until its device's work
-    is done (on a GPU, its queue), and the whole step from its draft phase on."""
+    (the tree), on the draft's CPU threads where it drafts (draft_threads, above), its target
+    phase (the pass and acceptance), each until its device's work is done (on a GPU, its queue),
+    and the whole step from its draft phase on."""
 
     def __init__(self, target, draft, opts):
         self.target_device = torch.device(target.device)
