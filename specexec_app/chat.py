@@ -11,6 +11,7 @@ stops an answer (at the prompt, the run: exit 130), /new starts the conversation
 import re
 import signal
 import sys
+import threading
 
 import specexec
 from specexec_tools import SpecExecError, check_call, cost_model, models, one_line
@@ -204,8 +205,10 @@ RENDER_CHARS = 2**24
 
 def render(tokenizer, messages) -> str:
     """The chat template's text for `messages`, stopped by a timer's signal after RENDER_S
-    seconds (a template is a program, and may loop for ever); on the main thread, where the
-    command line runs and Python handles signals."""
+    seconds (a template is a program, and may loop for ever): on the main thread, where the
+    command line runs and Python handles signals (a --serve request's thread renders unbounded)."""
+    if threading.current_thread() is not threading.main_thread():
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     previous = signal.signal(signal.SIGALRM, stop_rendering)
     signal.setitimer(signal.ITIMER_REAL, RENDER_S)
     try:
