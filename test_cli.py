@@ -1284,8 +1284,10 @@ def test_auto_notes_name_the_one_cause_auto_acted_on():
 
 def test_a_run_that_decoded_plainly_says_why_once(tmp_path):
     """A draft that never guesses the target (another random model): auto decodes plainly, and
-    one note names the cause it acted on, the draft whose passes cost more than its trees give,
-    with the tree's figure below plain decoding's; --compare's regime note, a second cause,
+    one note says why: the one cause it acted on (of two tiny models, the draft's passes or the
+    target's pass over the tree, whichever cost more in this run: timing decides), the tree's
+    figure below plain decoding's; or, where lookup's trees were rated faster only at the end,
+    that they measured slower until then, and no cause. --compare's regime note, a second cause,
     stays unsaid (it said that the pass in memory was to blame, beside the draft)."""
     target, draft = save_tiny(tmp_path / "target"), save_tiny(tmp_path / "draft", layers=1)
     run = ["--target", target, "--draft", draft, "--prompt", "w1 w2 w3", "--max-new-tokens", "60"]
@@ -1293,9 +1295,15 @@ def test_a_run_that_decoded_plainly_says_why_once(tmp_path):
     assert result.returncode == 0 and "identical output" in result.stdout, result.stderr[-2000:]
     notes = [line for line in result.stdout.splitlines() if line.startswith("(")]
     assert len(notes) == 1 and notes[0].startswith("(auto decoded plainly in "), result.stdout
-    assert "The cause: its draft, whose passes cost" in notes[0], notes[0]
-    tree, plain = re.search(r"([\d.]+) tokens/s against ([\d.]+) plainly", notes[0]).groups()
-    assert float(tree) < float(plain), notes[0]
+    figures = re.search(r"([\d.e+]+) tokens/s against ([\d.e+]+) plainly", notes[0]).groups()
+    tree, plain = map(float, figures)
+    if "until late in the run, its trees measured slower" in notes[0]:  # lookup's trees, rated
+        assert "The cause" not in notes[0] and tree > plain, notes[0]  # faster only at the end
+    else:
+        assert notes[0].count("The cause: ") == 1 and tree < plain, notes[0]
+        assert "The cause: its draft, whose passes cost" in notes[0] or (
+            "The cause: the target's pass, " in notes[0]
+        ), notes[0]
 
 
 def test_installed_without_the_clone_says_where_the_default_pair_is(tmp_path):
