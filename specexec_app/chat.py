@@ -8,6 +8,7 @@ stops an answer (at the prompt, the run: exit 130), /new starts the conversation
 /exit ends it.
 """
 
+import contextlib
 import re
 import signal
 import sys
@@ -204,15 +205,23 @@ RENDER_CHARS = 2**24
 
 
 def render(tokenizer, messages) -> str:
-    """The chat template's text for `messages`, stopped by a timer's signal after RENDER_S
-    seconds (a template is a program, and may loop for ever): on the main thread, where the
-    command line runs and Python handles signals (a --serve request's thread renders unbounded)."""
+    """The chat template's text for `messages`, within RENDER_S seconds (a template is a program,
+    and may loop for ever)."""
+    with time_bound(RENDER_S):
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
+@contextlib.contextmanager
+def time_bound(seconds):
+    """A timer's signal stops the block after `seconds`: on the main thread, where the command
+    line runs and Python handles signals (a --serve request's thread runs it unbounded)."""
     if threading.current_thread() is not threading.main_thread():
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        yield
+        return
     previous = signal.signal(signal.SIGALRM, stop_rendering)
-    signal.setitimer(signal.ITIMER_REAL, RENDER_S)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)

@@ -75,10 +75,14 @@ def make_policy(opts, target, draft):
     if streamed and hasattr(target, "time_passes") and not target.pass_costs:
         target.time_passes()
     costs = getattr(target, "pass_costs", {}) if streamed else {}
-    timed = target if streamed and hasattr(target, "stats") else None  # offload.py's
-    policy = CostModel(max_depth=max_depth, draft_share=share, **first, target=timed)
-    policy.target_s = {n: seconds for n, (seconds, _) in costs.items()}
-    policy.busy_s = {n: busy for n, (_, busy) in costs.items()}
+    policy = CostModel(
+        max_depth=max_depth,
+        draft_share=share,
+        **first,
+        target_s={n: seconds for n, (seconds, _) in costs.items()},
+        busy_s={n: busy for n, (_, busy) in costs.items()},
+        target=target if streamed and hasattr(target, "stats") else None,  # offload.py's
+    )
     learned[key] = (draft, policy)
     return policy
 
