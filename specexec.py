@@ -275,24 +275,28 @@ def tree_mask(parents, n_prefix, dtype, device, window=None, n_new=None):
     as it is, and eager attention would misread booleans), and position ids (1, n_new)."""
     n = len(parents)
     first = n - (n if n_new is None else n_new)  # the first token whose row is asked for
-    new = slice(first, n)  # the rows asked for
-    # Each token's ancestors and itself, from its parent's (parents come first): a list copy
-    # per token, where a walk up from each row would cost a step per ancestor in Python
-    ancestors = []
-    for i, parent in enumerate(parents):
-        ancestors.append((ancestors[parent] if parent >= 0 else []) + [i])
-    rows = [row for row, i in enumerate(range(first, n)) for _ in ancestors[i]]
+    # Each row asked for climbs from its token to the root, noting what it passes: no work for the
+    # rows not asked (a draft pass feeds a few nodes below a large tree)
+    rows, seen = [], []  # (row, j): j is the row's token or one of its ancestors
+    for row, i in enumerate(range(first, n)):
+        while i >= 0:
+            rows.append(row)
+            seen.append(i)
+            i = parents[i]
+    rows = torch.tensor(rows, dtype=torch.long)  # (n_seen,); with a dtype: 2x faster from a list
     sees = torch.zeros(n - first, n, dtype=torch.bool)  # (n_new, n): j is i or an ancestor
-    sees[rows, [j for chain in ancestors[new] for j in chain]] = True
-    positions = n_prefix - 1 + torch.tensor([len(chain) for chain in ancestors])  # (n,)
-    # Only the new rows become floats: a draft pass adds a few rows below a large tree.
+    sees[rows, torch.tensor(seen, dtype=torch.long)] = True
+    positions = n_prefix - 1 + torch.bincount(rows, minlength=n - first)  # (n_new,): the climb
     mask = torch.zeros(n - first, n_prefix + n, dtype=dtype)  # (n_new, n_prefix + n)
     mask[:, n_prefix:].masked_fill_(~sees, torch.finfo(dtype).min)  # the prefix: all visible
-    if window is not None:
-        key_positions = torch.cat([torch.arange(n_prefix), positions])  # (n_prefix + n,)
-        too_far = positions[new, None] - key_positions[None, :] >= window  # (n_new, n_prefix + n)
+    if window is not None:  # every key's position: one below its parent's (parents come first)
+        depths = []
+        for parent in parents:
+            depths.append(depths[parent] + 1 if parent >= 0 else 1)
+        key_positions = torch.cat([torch.arange(n_prefix), n_prefix - 1 + torch.tensor(depths)])
+        too_far = positions[:, None] - key_positions[None, :] >= window  # (n_new, n_prefix + n)
         mask.masked_fill_(too_far, torch.finfo(dtype).min)
-    return mask[None, None].to(device), positions[None, new].to(device)
+    return mask[None, None].to(device), positions[None].to(device)
 
 
 def tree_mask_reference(parents, n_prefix, dtype, device, window=None):
