@@ -120,12 +120,14 @@ class DraftTree:
         logprobs = torch.log_softmax(logits.float() / temperature, -1)  # (len(nodes), vocab)
         self.draft_passes += 1
         top = torch.topk(logprobs, min(branch, logprobs.shape[-1]))  # (len(nodes), branch) each
+        # A node that cannot enter the best nodes never will (they only get better), nor will its
+        # children (they rank below it): it is no candidate either. Once there are `budget`, one
+        # at or below the worst of them is out at once (a tie: the earlier node ranks higher).
+        worst = self.best_nodes[0][0][0] if len(self.best_nodes) == self.budget else -math.inf
         for node, values, tokens in zip(nodes, top.values.tolist(), top.indices.tolist()):
             for logprob, token in zip(values, tokens):
                 child = self.add_child(node, token, logprob)
-                # A node that cannot enter the best nodes never will (they only get better),
-                # nor will its children (they rank below it): it is no candidate either.
-                if self.admit(child) != child:
+                if self.cum_logprob[child] > worst and self.admit(child) != child:
                     heapq.heappush(self.candidates, (self.rank(child), child))
 
     def admit(self, node):
