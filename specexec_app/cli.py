@@ -55,17 +55,14 @@ class Parser(argparse.ArgumentParser):
 
 
 def finite(text):
-    value = float(text)
-    if not math.isfinite(value):
+    if not math.isfinite(value := float(text)):
         raise argparse.ArgumentTypeError(f"{text} is not a finite number")
     return value
 
 
 def count_or_auto(text):
-    if text == "auto":
-        return text
     try:
-        return int(text)
+        return text if text == "auto" else int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor auto") from None
 
@@ -281,14 +278,12 @@ def run(args):
 
     # Everything is checked before any weight is read.
     target = models.open_model(args.target)
-    draft = None  # --draft none: lookup alone, or plain decoding
-    if args.self_draft:
-        draft = target
-    elif args.draft != "none":
+    draft = target if args.self_draft else None  # None: --draft none (lookup alone, or plain)
+    if draft is None and args.draft != "none":
         draft = models.open_model(args.draft)
     tokenizer = chat.load_tokenizer(target.folder, args.chat_template)
     draft_tokenizer = tokenizer  # ids must mean the same text in both
-    if draft is not None and not args.self_draft:
+    if draft is not None and not args.self_draft:  # a draft of its own: its tokenizer checked
         draft_tokenizer = chat.load_tokenizer(draft.folder)
     if args.project_draft and draft_tokenizer.get_vocab() != tokenizer.get_vocab():
         draft = None  # a target of another family: no draft
@@ -300,10 +295,8 @@ def run(args):
         input_ids = chat.tokenize(tokenizer, args.prompt, args.chat_template, target.folder)
     seq, _, eos = models.preflight(target, draft, input_ids, None, (tokenizer, draft_tokenizer))
 
-    dtype = None  # the checkpoint's own
-    if args.dtype != "auto":
-        dtype = getattr(torch, args.dtype)
-    elif device.type == "cpu":
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)  # None: the checkpoint's
+    if args.dtype == "auto" and device.type == "cpu":  # half precision is slow there
         dtype = torch.float32
     if args.offload_clean:  # a copy it could not remove: refused now, not after the run
         check_removable(target.checkpoint, dtype, args.quantize, args.offload_dir)
@@ -341,11 +334,8 @@ def run(args):
         for model in loaded:  # an offloaded one gives back its files, thread and pinned memory
             if hasattr(model, "close"):
                 model.close()
-        # where the ssd tier's converted copy is, or that --offload-clean removed it
         if args.offload and loaded[0]:
-            said = converted_copy(loaded[0], args.offload_clean)
-            if said:
-                print(f"offload: {said}", file=sys.stderr)
+            tell_converted_copy(loaded[0], args.offload_clean)
 
 
 def report(target, draft, tokenizer, seq, eos, args, device):
@@ -461,22 +451,23 @@ def check_removable(ckpt, dtype, kind, offload_dir):
             )
 
 
-def converted_copy(model, remove):
-    """What became of the ssd tier's converted copy of the checkpoint, in a line for the user
-    (None: the checkpoint was read in place); with remove, the copy is deleted."""
+def tell_converted_copy(model, remove):
+    """Where the ssd tier's converted copy of the checkpoint stays, or with `remove`, that it is
+    deleted, on stderr (nothing where the checkpoint was read in place)."""
     folder = model.converted_folder
     if folder is None or not folder.exists():
-        return None
+        return
     if not remove:
         size = sum(f.stat().st_size for f in folder.iterdir()) / 1e9
         stays = f"a converted copy ({size:.2f} GB) stays in {folder} for the next run"
-        return stays + "; --offload-clean removes it"
+        print(f"offload: {stays}; --offload-clean removes it", file=sys.stderr)
+        return
     try:
         shutil.rmtree(folder)
     except OSError as error:
         why = f"{error.strerror or error}: {error.filename}"
         raise OffloadError(f"cannot remove the converted copy {folder} ({why})") from None
-    return f"removed the converted copy {folder}"
+    print(f"offload: removed the converted copy {folder}", file=sys.stderr)
 
 
 # ---- output ----
@@ -502,17 +493,12 @@ def summary(stats):
         if len(trees) < len(stats.budgets):
             line += f"; plain decoding (no tree) in {count(stats.steps - len(trees), 'step')}"
         line += f"; {stats.draft_passes / stats.steps:.1f} draft passes per target pass"
-    if getattr(stats.policy, "why", ""):
-        line += f"; {stats.policy.why}"
+    line += f"; {stats.policy.why}" if getattr(stats.policy, "why", "") else ""
     line += f"; threads {torch.get_num_threads()}"  # the target's passes'
-    if stats.seed is not None:
-        line += f"; seed {stats.seed}"
+    line += f"; seed {stats.seed}" if stats.seed is not None else ""
     reused = getattr(stats, "reused", 0)  # a chat's turn
-    if reused:
-        line += f"; {count(reused, 'token')} reused from the caches"
-    if stats.context_full:
-        line += "; stopped at the end of the context"
-    return line
+    line += f"; {count(reused, 'token')} reused from the caches" if reused else ""
+    return line + ("; stopped at the end of the context" if stats.context_full else "")
 
 
 def count(n, one):
