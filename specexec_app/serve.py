@@ -139,10 +139,9 @@ class Handler(BaseHTTPRequestHandler):
         """The request's fields, each checked (the others are ignored): the messages, to go
         through the chat template, or the prompt, as it is; the sampling fields, in `opts`; the
         stop strings (each ends the answer, left out of it); whether it streams."""
-        server = self.server
         self.is_chat = self.path == ENDPOINTS[0]
         self.started = time.time_ns()  # its id, and its second
-        if (model := typed(body, "model", str)) != server.name:
+        if (model := typed(body, "model", str)) != self.server.name:
             raise ApiError(404, f"no model {model!r} here", "model", "model_not_found")
         self.key = "messages" if self.is_chat else "prompt"  # the field the prompt is in
         self.prompt = typed(body, self.key, list if self.is_chat else str)
@@ -152,8 +151,8 @@ class Handler(BaseHTTPRequestHandler):
             fields = [m.get("role"), m.get("content")] if isinstance(m, dict) else [None]
             if not all(isinstance(field, str) for field in fields):
                 raise ApiError(400, f"messages[{i}] needs a role and its text", self.key)
-        limit = server.chat.limit  # the context, in tokens
-        self.opts = server.opts
+        limit = self.server.chat.limit  # the context, in tokens
+        self.opts = self.server.opts
         for asked, option in SAMPLING.items():
             given = body.get(asked)
             try:  # Options checks the value's type and range
@@ -229,12 +228,10 @@ class Handler(BaseHTTPRequestHandler):
         """The reply, or a chunk of its stream (a piece of text; "" and `end` at the end)."""
         kind = "text_completion"
         choice = {"text": text}
-        if self.is_chat and self.stream:
-            kind = "chat.completion.chunk"
-            choice = {"delta": {"content": text}}
-        elif self.is_chat:
-            kind = "chat.completion"
-            choice = {"message": {"role": "assistant", "content": text}}
+        if self.is_chat:  # a stream's chunk carries a delta of the message, a reply the message
+            kind = "chat.completion.chunk" if self.stream else "chat.completion"
+            message = {"content": text} if self.stream else {"role": "assistant", "content": text}
+            choice = {"delta" if self.stream else "message": message}
         choice = {"index": 0, **choice, "logprobs": None, "finish_reason": finish}
         head = dict(id=f"cmpl-{self.started}", object=kind, created=self.started // 10**9)
         return {**head, "model": self.server.name, "choices": [choice], **end}
