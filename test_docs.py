@@ -202,8 +202,9 @@ def test_the_root_states_the_brief_and_the_library_reads_one_way():
         i for i, line in enumerate(offload, 1) if re.match(r"class \w*(Ring|CausalLM)", line)
     )
     assert first <= 150
-    serve = HERE / "specexec_app" / "serve.py"  # issue 62's --serve: a budget of its own
-    assert code_lines(serve) <= 200
+    serve = HERE / "specexec_app" / "serve.py"  # issue 62's --serve: a budget of its own (200
+    # before issue 60 wrote its 16 tuple assignments one value a line: 213)
+    assert code_lines(serve) <= 215
     # 2,807 after issue 60's command line (flags from the dataclasses' comments, one device
     # parser, exit statuses in one place; plain lines for golf): a ceiling with some room
     assert sum(code_lines(path) for path in files if path != serve) <= 2850

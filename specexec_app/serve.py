@@ -96,30 +96,29 @@ class Handler(BaseHTTPRequestHandler):
     sent = 0  # how much of it a stream has sent
 
     def do_POST(self):  # and GET: the endpoint decides
-        server = self.server
         try:
             given = self.headers.get("Authorization", "")
-            key = f"Bearer {server.args.api_key}"
-            if server.args.api_key and not hmac.compare_digest(given.encode(), key.encode()):
+            key = f"Bearer {self.server.args.api_key}"
+            if self.server.args.api_key and not hmac.compare_digest(given.encode(), key.encode()):
                 raise ApiError(401, "a wrong or no API key", code="invalid_api_key")
             if (self.command, self.path) == ("GET", "/v1/models"):
-                model = dict(id=server.name, object="model", created=0, owned_by="specexec")
+                model = dict(id=self.server.name, object="model", created=0, owned_by="specexec")
                 return self.reply(200, {"object": "list", "data": [model]}, "the model")
             if self.command != "POST" or self.path not in ENDPOINTS:
                 raise ApiError(404, f"no such endpoint: {self.command} {self.path}")
             self.check(self.read_json())
-            if not server.slots.acquire(blocking=False):
+            if not self.server.slots.acquire(blocking=False):
                 raise ApiError(503, "too many requests wait already: try again later")
         except ApiError as error:
             return self.fail(error)
         try:
-            with server.lock:
-                if not server.stopping:  # else Ctrl-C came while it waited
+            with self.server.lock:
+                if not self.server.stopping:  # else Ctrl-C came while it waited
                     self.answer()
         except OSError:  # a write failed: the generation, if it ran, stopped there
             self.note(499, "the client left")
         finally:
-            server.slots.release()
+            self.server.slots.release()
 
     do_GET = do_POST
 
