@@ -122,8 +122,9 @@ def helps(config):
 def add_flags(group, config):
     """A flag for each field of the dataclass `config`: --its-name, read as its type reads, with
     its default and help."""
+    texts = helps(config)
     for f in fields(config):
-        text = helps(config)[f.name]
+        text = texts[f.name]
         if "default" not in text and f.type is not bool:
             text += " (default: %(default)s)"
         flag = "--" + f.name.replace("_", "-")
@@ -354,9 +355,8 @@ def report(target, draft, tokenizer, seq, eos, args, device):
     # On a terminal the prompt is dim; in a file or pipe a line marks where the output starts.
     end = "" if sys.stdout.isatty() else "\n--- continuation ---\n"
     print(dim(tokenizer.decode(seq)), end=end, flush=True)
-    stream = Streamer(tokenizer)
     tokens, stats = specexec.generate(
-        target, draft, seq, eos_token_id=eos, on_tokens=stream, opts=opts
+        target, draft, seq, eos_token_id=eos, on_tokens=Streamer(tokenizer), opts=opts
     )
     print("\n\n" + dim(f"specexec: {summary(stats)}"))
     explained = why_plain(stats, args.offload)  # or auto's own why, in the summary line
@@ -372,10 +372,9 @@ def report(target, draft, tokenizer, seq, eos, args, device):
         return
     # plain decoding can take minutes: on a terminal, a line says how far it is (nothing in a pipe)
     quiet = sys.stderr is None or not sys.stderr.isatty()
-    bar = tqdm(
+    with tqdm(
         desc="plain decoding", total=opts.max_new_tokens, unit="token", disable=quiet, leave=False
-    )
-    with bar:
+    ) as bar:
         base_tokens, base = specexec.autoregressive(
             target, seq, eos_token_id=eos, on_tokens=lambda new: bar.update(len(new)), opts=opts
         )
