@@ -325,8 +325,8 @@ def run(args):
         elif draft is not None:
             loaded[1] = models.load(draft, device, dtype)
         if args.chat:
-            pair = chat.Chat(*loaded, opts)
-            chat.talk(pair, tokenizer, target.folder, args, list(eos), Streamer, dim, summary)
+            session = chat.Chat(*loaded, opts)  # the caches kept from turn to turn
+            chat.talk(session, tokenizer, target.folder, args, list(eos), Streamer, dim, summary)
         elif args.serve:
             serve.serve(chat.Chat(*loaded, opts), tokenizer, args, eos)
         else:
