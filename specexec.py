@@ -47,10 +47,12 @@ from specexec_tools import SpecExecError, check_call, check_finite, check_option
 
 @dataclass
 class Options:
-    """Generation options: one source of defaults for the API and the CLI (--help says more)."""
+    """Generation options: one source of defaults for the API and the CLI, each field's comment
+    its help (`python specexec.py --help` shows them)."""
 
-    max_new_tokens: int = 128
-    budget: int | str = "auto"  # nodes verified per step; "auto": specexec_tools/cost_model.py
+    max_new_tokens: int = 128  # stop after this many new tokens
+    budget: int | str = "auto"  # draft nodes verified per step; "auto": the size and max_depth
+    # with the most tokens/s, chosen as it runs (specexec_tools/cost_model.py)
     max_depth: int = 16  # draft passes per step (auto: at most this; streamed target: twice)
     width: int = 32  # nodes expanded per draft pass
     branch: int = 8  # children kept per expanded node
@@ -59,9 +61,12 @@ class Options:
     top_p: float = 1.0  # nucleus sampling mass (1: off)
     top_k: int = 0  # sample from the k most likely (0: off)
     seed: int | None = None  # sampling's random seed (None: a fresh one)
-    threads: int | None = None  # CPU threads of target passes (None: one per free core; 0: torch's)
-    draft_threads: int | None = None  # CPU threads of draft passes (None: by its size; 0: torch's)
-    draft_temperature: float | None = None  # how the draft ranks the tree (None: grow_tree's)
+    threads: int | None = None  # CPU threads of target passes (None: one per free core, unless
+    # OMP_NUM_THREADS says; 0: torch's setting)
+    draft_threads: int | None = None  # CPU threads of draft passes (None: 1 for a small draft,
+    # torch's setting from 50M parameters; 0: torch's setting); output is unchanged
+    draft_temperature: float | None = None  # how the draft ranks the tree (None: 0.3 when greedy,
+    # else the sampling temperature); output is unchanged
 
     def __post_init__(self):
         check_options(self)

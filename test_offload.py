@@ -1601,7 +1601,7 @@ def test_dtype_as_a_string(checkpoints, dtype):
         ("dtype", "dtype 'float33' is no torch dtype"),
         ("config", "cannot load its config"),
         ("no folder", "not/a/folder: no such model folder"),  # the CLI's words: one finder
-        ("device", "offload runs on cpu or an available cuda device, not meta"),
+        ("device", "no meta device here: the cpu or an available cuda device"),
         ("device name", "device 'foo': "),
         ("buffers", "buffers must be an integer of at least 1, not 1.5"),
         ("generation config", "cannot load its config"),

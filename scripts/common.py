@@ -162,7 +162,7 @@ class Row:
     target_s: float = 0.0  # inside the target's forward
     link_idle_s: float = 0.0  # an offloaded target's link, idle before its passes
     exact: str = ""
-    chosen: list = field(default_factory=list)  # budget auto: each step's (budget, depth)
+    chosen: list = field(default_factory=list)  # budget auto: each step's (budget, max_depth)
 
     tokens_per_pass = property(lambda r: r.tokens / max(1, r.target_passes))
     rate = property(lambda r: r.tokens / r.seconds)
@@ -171,9 +171,9 @@ class Row:
     split = property(lambda r: (r.draft_s, r.target_s, r.seconds - r.draft_s - r.target_s))
 
     def choices(self):
-        """Budget auto: the (budget, depth) it chose most, and how often."""
-        (budget, depth), n = Counter(self.chosen).most_common(1)[0]
-        what = f"budget {budget}, depth {depth}" if budget else "plain steps"
+        """Budget auto: the (budget, max_depth) it chose most, and how often."""
+        (budget, max_depth), n = Counter(self.chosen).most_common(1)[0]
+        what = f"budget {budget}, max_depth {max_depth}" if budget else "plain steps"
         return f"{what} in {n} of {len(self.chosen)} steps"
 
 

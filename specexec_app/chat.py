@@ -30,7 +30,8 @@ class Chat:
 
     def __init__(self, target, draft, opts=None, **options):
         self.opts = check_call(opts, options, None, specexec.Options)
-        models.preflight(target, draft, None)  # models, and a pair that can run together
+        # models, and a pair that can run together; the positions a conversation can use
+        self.limit = models.preflight(target, draft, None)[1]
         self.target = target
         self.draft = draft
         self.policy = cost_model.make_policy(self.opts, target, draft)
@@ -87,7 +88,6 @@ def talk(chat, tokenizer, folder, args, eos, stream, dim, summary):
         how = "told to use no" if args.chat_template == "off" else "no"
         rows = "each turn goes on a new line after the text so far"
         print(dim(f"chat: {folder}: {how} chat template; {rows}"))
-    _, limit, _ = models.preflight(chat.target, chat.draft, None)  # the context, in tokens
     messages = []
     for turn in turns(args.prompt):
         if turn == "/new":
@@ -97,10 +97,11 @@ def talk(chat, tokenizer, folder, args, eos, stream, dim, summary):
         messages.append({"role": "user", "content": turn})
         try:
             input_ids = tokenize(tokenizer, messages, args.chat_template, folder)
-            if len(input_ids) >= limit:  # the whole conversation's tokens, not only this turn's
+            # the whole conversation's tokens, not only this turn's
+            if len(input_ids) >= chat.limit:
                 raise SpecExecError(
                     f"with this turn the conversation is {len(input_ids)} tokens; the context "
-                    f"holds {limit}: send a shorter turn, or /new to start over"
+                    f"holds {chat.limit}: send a shorter turn, or /new to start over"
                 )
             tokens, stats = chat.generate(input_ids, eos_token_id=eos, on_tokens=stream(tokenizer))
             answer = tokenizer.decode(tokens, skip_special_tokens=True)

@@ -1,13 +1,14 @@
 """The command line: `python specexec.py` (or `specexec` once installed), top-down as it runs:
 flags -> specexec.Options, every flag checked before torch loads (--help and a bad flag answer at
 once) -> both folders opened and checked, the prompt tokenized, the pair and prompt checked
-(specexec_tools/models.py), before any weight is read -> load -> specexec's loop, streaming ->
+(specexec_tools/models.py), before any weight is read -> load -> specexec.generate, streaming ->
 the summary. Every bad input is one line `error: ...` on stderr, exit status 2, no traceback,
 nothing written (an output that cannot be written too); Ctrl-C exits with 130, a closed pipe
-(`| head`) quietly.
+(`| head`) quietly: `handled` keeps these promises, in one place.
 """
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -16,49 +17,25 @@ import shutil
 import signal
 import sys
 from collections import Counter
-from dataclasses import fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
+from typing import Literal, get_args, get_origin
 
 import specexec
-from specexec_tools import OffloadError, SpecExecError, expanded, local_folder, one_line
+from specexec_tools import KINDS, OffloadError, SpecExecError, expanded, local_folder, one_line
+from specexec_tools.cost_model import CostModel
 
 CLONE = Path(__file__).resolve().parent.parent  # a clone: models/ holds the project's own pair
 RESET = "\033[0m"
-KINDS = ("int8", "int4")  # specexec_tools/quantize.py's
 # A hub id: a name, or an owner and a name. --draft none, int8 or int4 misspelt (int3, INT4,
 # None, 4bit) is no hub id's name: refused at once, not looked for on the hub
 HUB_ID = re.compile(r"[\w.-]+(/[\w.-]+)?")
 KIND_LIKE = re.compile(r"(?i)(u?int|fp|nf|q)\d+|\d+-?bits?|none")
-
-# Each generation option's help (its default: specexec.Options)
-HELP = dict(
-    max_new_tokens="stop after this many new tokens",
-    budget='draft tree size: nodes verified per step; "auto": the size and depth with the most '
-    "tokens/s, chosen as it runs (specexec_tools/cost_model.py)",
-    max_depth="max tree depth = draft passes per step (auto: at most this; twice that where "
-    "the target streams its weights, a pass being dear)",
-    width="beam width: nodes expanded per draft pass",
-    branch="children kept per expanded node",
-    lookup="prompt lookup: copy up to N tokens that followed the last tokens where they occurred "
-    "before in the text into the tree as candidates of their own, at no draft pass (0 = off); "
-    "with --draft none, SpecExec without a draft model (--lookup 0 too: plain decoding)",
-    temperature="0 = greedy (exact argmax)",
-    top_p="nucleus sampling mass (1 = off)",
-    top_k="sample from the k most likely (0 = off)",
-    seed="random seed for sampling (default: a fresh one)",
-    threads="CPU threads of the target's passes (default: one per core that other programs leave "
-    "free, unless OMP_NUM_THREADS says; 0: torch's setting)",
-    draft_threads="CPU threads for the draft's passes (default: 1 for a small draft, torch's "
-    "setting for one of 50M parameters or more; 0: torch's setting); output is unchanged",
-    draft_temperature="the draft's temperature when it ranks the tree (default: 0.3 when "
-    "greedy, else the sampling temperature); output is unchanged",
-)
 NOT_THE_REGIME = (
     "(not SpecExec's regime: with the target {where}, a tree's pass costs more than one token's."
     " It pays where weights stream over a slow link: `python -m scripts.bench_disk --grow-to "
     "big-target`, then `python specexec.py --target big-target --offload ssd --compare`)"
 )
-
 NO_PROJECT_DRAFT = (
     "(the project's draft has another tokenizer than {target}: {how}. For a draft model: "
     "--draft int4, the target's own 4-bit copy, or --draft FOLDER, a model of its family)"
@@ -70,7 +47,7 @@ NO_PROJECT_DRAFT = (
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse prints usage and two lines; keep the one-line promise
-        fail(f"{message} (see --help)")
+        raise SpecExecError(f"{message} (see --help)")
 
     def print_help(self, file=None):  # argparse would drop a failed write (a full disk) silently;
         # flushed, a full stdout fails here, inside `handled`, not at exit
@@ -90,61 +67,98 @@ def count_or_auto(text):
         raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor auto") from None
 
 
+@dataclass
+class Flags:
+    """The command line's own flags, beside specexec.Options' (the generation options): a field
+    each, of its type, with its default; its comment is its --help (`add_flags`)."""
+
+    target: str | None = None  # a model folder or hub id (default: models/target)
+    draft: str | None = None  # a model folder or hub id (default: models/draft); int8 / int4: the
+    # target's own copy, dequantized and whole on the device (no memory saved; it pays beside an
+    # --offload target); none: no draft model (prompt lookup alone; with --lookup 0, plain decoding)
+    prompt: str | None = None  # prompt text (default: a held-out prompt of the pair)
+    prompt_index: int = 16  # which of models/prompts.json
+    chat_template: Literal["auto", "on", "off"] = "auto"  # wrap the prompt in the tokenizer's chat
+    # template (auto: when it has one)
+    device: str | None = None  # cpu, cuda, cuda:1... (default: cuda if available)
+    dtype: Literal["auto", "float32", "float16", "bfloat16", "float64"] = "auto"  # auto: float32
+    # on cpu (half precision runs about 6x slower there; with --offload ssd a half checkpoint is
+    # then read from a float32 copy), else the checkpoint's own
+    offload: Literal["ram", "ssd"] | None = None  # stream the target's layers from RAM or disk
+    # (default: neither, the target whole in memory)
+    link: float | None = None  # GB/s; with --offload ram on the CPU: each streamed layer crosses a
+    # simulated link of this speed, beside compute, as layers cross PCIe to a GPU (the paper's
+    # regime on any machine, e.g. 0.01; not real hardware's speed) (default: none)
+    offload_dir: Path = Path("~/.cache/specexec/offload")  # where ssd writes a per-layer copy when
+    # the checkpoint cannot be read in place (another --dtype than the checkpoint's)
+    offload_clean: bool = False  # delete that copy after the run
+    quantize: Literal[KINDS] | None = None  # with --offload: store and move the target's linear
+    # weights in 8 or 4 bits, dequantized on the device (ssd writes a quantized copy into
+    # --offload-dir once) (default: none)
+    device_memory: float | None = None  # GB; with --offload: device memory the target may hold;
+    # after its embeddings, head, KV cache (the prompt, the new tokens and the largest tree: the
+    # budget, or auto's largest) and ring, as many layers as fit stay resident and are never
+    # streamed (default: none, every layer streamed)
+    chat: bool = False  # a conversation: one turn per line of input (a prompt on a terminal);
+    # Ctrl-C stops an answer, /new starts over, EOF or /exit ends it; the caches are kept from
+    # turn to turn
+    compare: bool = False  # also time plain decoding (both warmed up first)
+    serve: bool = False  # answer OpenAI's API (/v1/chat/completions, /v1/completions, /v1/models)
+    # over HTTP, the caches kept as --chat keeps them
+    host: str = "127.0.0.1"  # --serve's address
+    port: int = 8000  # --serve's port (0: any free)
+    api_key: str | None = None  # the key --serve asks of each request, needed off this machine
+    # (default: $SPECEXEC_API_KEY)
+    verbose: bool = False  # show transformers' loading logs
+
+
+def helps(config):
+    """Each field of the dataclass `config` -> its help: its comment, with the comment lines
+    below it (specexec.Options' and Flags' one source)."""
+    found = re.findall(r"^    (\w+): .*?  # (.*(?:\n    # .*)*)", inspect.getsource(config), re.M)
+    return {name: text.replace("\n    # ", " ") for name, text in found}
+
+
+def add_flags(group, config):
+    """A flag for each field of the dataclass `config`: --its-name, read as its type reads, with
+    its default and help."""
+    texts = helps(config)
+    for f in fields(config):
+        text = texts[f.name]
+        if "default" not in text and f.type is not bool:
+            text += " (default: %(default)s)"
+        flag = "--" + f.name.replace("_", "-")
+        group.add_argument(flag, default=f.default, help=text, **reads(f.type))
+
+
+def reads(kind):
+    """add_argument's keywords for a flag of the type `kind` (of `X | None`, as X)."""
+    if kind is bool:
+        return dict(action="store_true")
+    if kind == int | str:
+        return dict(type=count_or_auto, metavar="N|auto")
+    if type(None) in get_args(kind):
+        kind = get_args(kind)[0]
+    if get_origin(kind) is Literal:
+        return dict(choices=get_args(kind))
+    if kind is float:
+        return dict(type=finite, metavar="X")
+    if kind is int:
+        return dict(type=int, metavar="N")
+    return dict(type=kind)  # str, Path
+
+
 def parse_args(argv=None):
     """The flags, every one checked (`check_flags`); the generation options in `args.opts`."""
-    # fmt: off
-    parser = Parser(description="SpecExec speculative decoding. With no arguments, runs the "
-                    "project's own target/draft pair on a held-out code prompt.")
-    add = parser.add_argument_group("model and prompt").add_argument
-    add("--target", metavar="PATH_OR_ID", help="a model folder or hub id (default: models/target)")
-    add("--draft", metavar="PATH_OR_ID", help="a model folder or hub id (default: models/draft); "
-        "int8 / int4: the target's own copy, dequantized and whole on the device (no memory "
-        "saved; it pays beside an --offload target); none: no draft model (see --lookup)")
-    add("--prompt", help="prompt text (default: a held-out prompt of the pair)")
-    add("--prompt-index", type=int, default=16, metavar="N", help="which of models/prompts.json")
-    add("--chat-template", choices=("auto", "on", "off"), default="auto",
-        help="wrap the prompt in the tokenizer's chat template (auto: when it has one)")
-    add = parser.add_argument_group("device").add_argument
-    add("--device", metavar="NAME", help="cpu, cuda, cuda:1... (default: cuda if available)")
-    add("--dtype", choices=("auto", "float32", "float16", "bfloat16", "float64"), default="auto",
-        help="auto: float32 on cpu (half precision runs about 6x slower there; with --offload "
-        "ssd a half checkpoint is then read from a float32 copy), else the checkpoint's own")
-    add("--offload", choices=("ram", "ssd"), help="stream the target's layers from RAM or disk")
-    add("--link", type=finite, metavar="GB/S", help="with --offload ram on the CPU: each "
-        "streamed layer crosses a simulated link of this speed, beside compute, as layers cross "
-        "PCIe to a GPU (the paper's regime on any machine, e.g. 0.01; not real hardware's speed)")
-    add("--offload-dir", type=Path, default=Path("~/.cache/specexec/offload"), metavar="DIR",
-        help="where ssd writes a per-layer copy when the checkpoint cannot be read in place "
-        "(another --dtype than the checkpoint's); default: %(default)s")
-    add("--offload-clean", action="store_true", help="delete that copy after the run")
-    add("--quantize", choices=KINDS, help="with --offload: store and move the target's "
-        "linear weights in 8 or 4 bits, dequantized on the device (ssd writes a quantized copy "
-        "into --offload-dir once)")
-    add("--device-memory", type=finite, metavar="GB", help="with --offload: device memory the "
-        "target may hold; after its embeddings, head, KV cache (the prompt, the new tokens and "
-        "the largest tree: 2048 nodes with budget auto) and ring, as many layers as fit stay "
-        "resident and are never streamed")
-    add = parser.add_argument_group("generation (defaults: specexec.Options)").add_argument
-    for f in fields(specexec.Options):  # one source of defaults for the API and the CLI
-        real, auto, text = f.type in (float, float | None), f.type == int | str, HELP[f.name]
-        add("--" + f.name.replace("_", "-"), default=f.default,
-            type=finite if real else count_or_auto if auto else int,
-            metavar="X" if real else "N|auto" if auto else "N",
-            help=text + ("" if "default" in text else " (default: %(default)s)"))
-    add = parser.add_argument_group("output").add_argument
-    add("--chat", action="store_true", help="a conversation: one turn per line of input (a "
-        "prompt on a terminal); Ctrl-C stops an answer, /new starts over, EOF or /exit ends it; "
-        "the caches are kept from turn to turn")
-    add("--compare", action="store_true", help="also time plain decoding (both warmed up first)")
-    add("--serve", action="store_true", help="answer OpenAI's API (/v1/chat/completions, "
-        "/v1/completions, /v1/models) over HTTP, the caches kept as --chat keeps them")
-    add("--host", default="127.0.0.1", help="--serve's address (default: %(default)s)")
-    add("--port", type=int, default=8000, help="--serve's port (default: %(default)s; 0: any free)")
-    add("--api-key", default=os.environ.get("SPECEXEC_API_KEY"), metavar="KEY", help="the key "
-        "--serve asks of each request, needed off this machine (default: $SPECEXEC_API_KEY)")
-    add("--verbose", action="store_true", help="show transformers' loading logs")
-    # fmt: on
+    parser = Parser(
+        description="SpecExec speculative decoding. With no arguments, runs the project's own "
+        "target/draft pair on a held-out code prompt."
+    )
+    add_flags(parser.add_argument_group("model, device and output"), Flags)
+    add_flags(parser.add_argument_group("generation (specexec.Options)"), specexec.Options)
     args = parser.parse_args(argv)
+    if args.api_key is None:  # read now, not when this module was imported
+        args.api_key = os.environ.get("SPECEXEC_API_KEY")
     options = {f.name: getattr(args, f.name) for f in fields(specexec.Options)}
     args.opts = specexec.Options(**options)  # checked as it is made
     check_flags(args)
@@ -154,34 +168,40 @@ def parse_args(argv=None):
 def check_flags(args):
     """Flags that only make sense together, values torch or the file system would fail on late,
     and output that cannot take a model's text; then the models and the prompt named."""
-    folder = args.offload_dir
-    # fmt: off
-    for wrong, message in [
-        (args.offload_clean and args.offload != "ssd",
-         "--offload-clean goes with --offload ssd (only ssd writes a copy)"),
-        (args.quantize and not args.offload,
-         "--quantize goes with --offload (it quantizes the streamed layers)"),
-        (args.link is not None and args.offload != "ram",
-         "--link goes with --offload ram (it simulates the link a streamed layer crosses)"),
-        (args.link is not None and args.link <= 0, f"--link {args.link}: a speed in GB/s, above 0"),
-        (args.device_memory is not None and not args.offload,
-         "--device-memory goes with --offload (it keeps streamed layers)"),
-        ((args.device_memory or 0) < 0, f"--device-memory {args.device_memory}: a size in GB, "
-         "at least 0"),
-        (str(folder) in ("", "."), "--offload-dir is empty: name a folder for the copy"),
-        (expanded(folder).is_file(), f"--offload-dir {folder} is a file, not a folder"),
-        (args.chat and args.compare, "--chat and --compare: compare a one-prompt run instead"),
-        (args.serve and (args.chat or args.compare or args.prompt is not None),
-         "--serve takes its prompts from requests: not with --chat, --compare or --prompt"),
-        (not 0 <= args.port <= 65535, f"--port {args.port}: a port is 0 to 65535"),
-        (args.serve and not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"),
-         f"--host {args.host} lets other machines in: give --api-key (or SPECEXEC_API_KEY)"),
-        (args.chat and sys.stdin is None, "--chat reads turns from standard input: it is closed"),
-        (args.compare and args.opts.max_new_tokens == 0,
-         "--compare times decoding: give it --max-new-tokens of at least 1"),
-    ]:  # fmt: on
-        if wrong:
-            raise SpecExecError(message)
+    if args.offload_clean and args.offload != "ssd":
+        raise SpecExecError("--offload-clean goes with --offload ssd (only ssd writes a copy)")
+    if args.quantize and not args.offload:
+        raise SpecExecError("--quantize goes with --offload (it quantizes the streamed layers)")
+    if args.link is not None and args.offload != "ram":
+        raise SpecExecError(
+            "--link goes with --offload ram (it simulates the link a streamed layer crosses)"
+        )
+    if args.link is not None and args.link <= 0:
+        raise SpecExecError(f"--link {args.link}: a speed in GB/s, above 0")
+    if args.device_memory is not None and not args.offload:
+        raise SpecExecError("--device-memory goes with --offload (it keeps streamed layers)")
+    if args.device_memory is not None and args.device_memory < 0:
+        raise SpecExecError(f"--device-memory {args.device_memory}: a size in GB, at least 0")
+    if str(args.offload_dir) in ("", "."):
+        raise SpecExecError("--offload-dir is empty: name a folder for the copy")
+    if expanded(args.offload_dir).is_file():
+        raise SpecExecError(f"--offload-dir {args.offload_dir} is a file, not a folder")
+    if args.chat and args.compare:
+        raise SpecExecError("--chat and --compare: compare a one-prompt run instead")
+    if args.serve and (args.chat or args.compare or args.prompt is not None):
+        raise SpecExecError(
+            "--serve takes its prompts from requests: not with --chat, --compare or --prompt"
+        )
+    if not 0 <= args.port <= 65535:
+        raise SpecExecError(f"--port {args.port}: a port is 0 to 65535")
+    if args.serve and not args.api_key and args.host not in ("127.0.0.1", "localhost", "::1"):
+        raise SpecExecError(
+            f"--host {args.host} lets other machines in: give --api-key (or SPECEXEC_API_KEY)"
+        )
+    if args.chat and sys.stdin is None:
+        raise SpecExecError("--chat reads turns from standard input: it is closed")
+    if args.compare and args.opts.max_new_tokens == 0:
+        raise SpecExecError("--compare times decoding: give it --max-new-tokens of at least 1")
     try:  # any character a model may write (ascii:replace, say, takes them all)
         "\u00e9\u2014\U0001f600".encode(sys.stdout.encoding, sys.stdout.errors or "strict")
     except (UnicodeEncodeError, LookupError, TypeError):
@@ -235,14 +255,6 @@ def default_prompt(index):
     return prompt
 
 
-def read_flags():
-    """`python specexec.py`'s first step, before torch loads: the flags, checked; Ctrl-C while
-    torch loads (seconds) then exits as it does later (130, quietly)."""
-    args = handled(parse_args)
-    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
-    return args
-
-
 # ---- one run ----
 
 
@@ -252,9 +264,13 @@ def run(args):
 
     import offload
     from specexec_app import chat, serve
-    from specexec_tools import cost_model, models
+    from specexec_tools import models
 
-    opts, device = args.opts, pick_device(args.device)
+    opts = args.opts
+    try:
+        device = models.as_device(args.device)
+    except OffloadError as error:
+        raise SpecExecError(f"--device {args.device}: {error}") from None
     if args.link is not None and device.type != "cpu":
         raise SpecExecError(f"--link simulates a link on the CPU, not {device}: add --device cpu")
     if not args.verbose:  # no per-tensor progress bars and load reports
@@ -267,22 +283,25 @@ def run(args):
     if draft is None and args.draft != "none":
         draft = models.open_model(args.draft)
     tokenizer = chat.load_tokenizer(target.folder, args.chat_template)
-    own = draft is None or args.self_draft  # ids must mean the same text in both
-    tokenizers = [tokenizer, tokenizer if own else chat.load_tokenizer(draft.folder)]
-    if args.project_draft and tokenizers[1].get_vocab() != tokenizer.get_vocab():
-        draft, tokenizers[1] = None, tokenizer  # a target of another family: no draft
+    draft_tokenizer = tokenizer  # ids must mean the same text in both
+    if draft is not None and not args.self_draft:  # a draft of its own: its tokenizer checked
+        draft_tokenizer = chat.load_tokenizer(draft.folder)
+    if args.project_draft and draft_tokenizer.get_vocab() != tokenizer.get_vocab():
+        draft = None  # a target of another family: no draft
+        draft_tokenizer = tokenizer
         how = "prompt lookup alone drafts" if opts.lookup else "it decodes plainly (--lookup 0)"
         print(dim(NO_PROJECT_DRAFT.format(target=args.target, how=how)), flush=True)
     input_ids = None  # a chat without --prompt: its turns come later
     if args.prompt is not None:
         input_ids = chat.tokenize(tokenizer, args.prompt, args.chat_template, target.folder)
-    seq, limit, eos = models.preflight(target, draft, input_ids, None, tokenizers)
+    seq, _, eos = models.preflight(target, draft, input_ids, None, (tokenizer, draft_tokenizer))
 
-    dtype = torch.float32 if args.dtype == "auto" and device.type == "cpu" else None
-    dtype = getattr(torch, args.dtype) if args.dtype != "auto" else dtype  # None: the checkpoint's
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)  # None: the checkpoint's
+    if args.dtype == "auto" and device.type == "cpu":  # half precision is slow there
+        dtype = torch.float32
     if args.offload_clean:  # a copy it could not remove: refused now, not after the run
         check_removable(target.checkpoint, dtype, args.quantize, args.offload_dir)
-    largest = cost_model.CostModel.BUDGETS[-1] if opts.budget == "auto" else opts.budget
+    largest = CostModel.BUDGETS[-1] if opts.budget == "auto" else opts.budget
     # the KV cache's length; a conversation's (--chat, --serve) is not known
     context = None if args.chat or args.serve else len(seq) + opts.max_new_tokens + largest + 1
     loaded = [None, None]  # (target, draft) once loaded; the draft stays None with --draft none
@@ -290,10 +309,15 @@ def run(args):
         if args.offload:
             memory = None if args.device_memory is None else args.device_memory * 1e9
             loaded[0] = offload.from_pretrained(
-                target, mode=args.offload, device=offload.Cpu(args.link) if args.link else device,
-                dtype=dtype, quantize=args.quantize,
-                offload_dir=args.offload_dir, device_memory=memory, context=context,
-            )  # fmt: skip
+                target,
+                mode=args.offload,
+                device=offload.Cpu(args.link) if args.link else device,
+                dtype=dtype,
+                quantize=args.quantize,
+                offload_dir=args.offload_dir,
+                device_memory=memory,
+                context=context,
+            )
         else:
             loaded[0] = models.load(target, device, dtype)
         if args.self_draft:
@@ -301,40 +325,39 @@ def run(args):
         elif draft is not None:
             loaded[1] = models.load(draft, device, dtype)
         if args.chat:
-            chat.talk(chat.Chat(*loaded, opts), tokenizer, target.folder, args, list(eos),
-                      Streamer, dim, summary)  # fmt: skip
+            session = chat.Chat(*loaded, opts)  # the caches kept from turn to turn
+            chat.talk(session, tokenizer, target.folder, args, list(eos), Streamer, dim, summary)
         elif args.serve:
             serve.serve(chat.Chat(*loaded, opts), tokenizer, args, eos)
         else:
-            report(*loaded, tokenizer, seq, limit, eos, args, device)
+            report(*loaded, tokenizer, seq, eos, args, device)
     finally:
         for model in loaded:  # an offloaded one gives back its files, thread and pinned memory
-            getattr(model, "close", lambda: None)()
-        # where the ssd tier's converted copy is, or that --offload-clean removed it
-        if said := args.offload and loaded[0] and converted_copy(loaded[0], args.offload_clean):
-            print(f"offload: {said}", file=sys.stderr)
+            if hasattr(model, "close"):
+                model.close()
+        if args.offload and loaded[0]:
+            tell_converted_copy(loaded[0], args.offload_clean)
 
 
-def report(target, draft, tokenizer, seq, limit, eos, args, device):
-    """Generate, streaming, through the loop the API's `generate` runs once it has checked what
-    it is given (checked above); then the summary, and with --compare plain decoding beside it."""
+def report(target, draft, tokenizer, seq, eos, args, device):
+    """specexec.generate, streaming; then the summary, and with --compare plain decoding
+    (specexec.autoregressive) beside it."""
     import torch
     from tqdm import tqdm
-
-    from specexec_tools.cost_model import FixedBudget, make_policy
 
     opts = args.opts
     if opts.seed is None:  # one seed for both runs, so --compare can match them
         opts.seed = torch.seed()
     if args.compare:  # both warmed up before either is timed: neither pays the first passes
-        warm = specexec.Options(**{**vars(opts), "max_new_tokens": 2})
+        warm = replace(opts, max_new_tokens=2)
         specexec.generate(target, draft, seq, eos_token_id=eos, opts=warm)
         specexec.autoregressive(target, seq, eos_token_id=eos, opts=warm)
     # On a terminal the prompt is dim; in a file or pipe a line marks where the output starts.
     end = "" if sys.stdout.isatty() else "\n--- continuation ---\n"
     print(dim(tokenizer.decode(seq)), end=end, flush=True)
-    run, policy = specexec.Run(target, draft, opts, limit), make_policy(opts, target, draft)
-    tokens, stats = specexec.decode_loop(run, list(seq), policy, eos, Streamer(tokenizer))
+    tokens, stats = specexec.generate(
+        target, draft, seq, eos_token_id=eos, on_tokens=Streamer(tokenizer), opts=opts
+    )
     print("\n\n" + dim(f"specexec: {summary(stats)}"))
     explained = why_plain(stats, args.offload)  # or auto's own why, in the summary line
     if explained:
@@ -349,10 +372,12 @@ def report(target, draft, tokenizer, seq, limit, eos, args, device):
         return
     # plain decoding can take minutes: on a terminal, a line says how far it is (nothing in a pipe)
     quiet = sys.stderr is None or not sys.stderr.isatty()
-    with tqdm(desc="plain decoding", total=opts.max_new_tokens, unit="token", disable=quiet,
-              leave=False) as bar:  # fmt: skip
-        run, counted = specexec.Run(target, None, opts, limit), lambda new: bar.update(len(new))
-        base_tokens, base = specexec.decode_loop(run, list(seq), FixedBudget(0, 0), eos, counted)
+    with tqdm(
+        desc="plain decoding", total=opts.max_new_tokens, unit="token", disable=quiet, leave=False
+    ) as bar:
+        base_tokens, base = specexec.autoregressive(
+            target, seq, eos_token_id=eos, on_tokens=lambda new: bar.update(len(new)), opts=opts
+        )
     print(dim(f"plain decoding: {summary(base)}"))
     if base.new_tokens and stats.new_tokens:
         speedup = stats.tokens_per_second / base.tokens_per_second
@@ -372,22 +397,26 @@ def why_plain(stats, offload=None):
     best tree costs more than its tokens are worth, through the draft's passes (a dear draft) or
     the target's pass over the tree (compute, which a tree multiplies); or its trees measured
     slower only until late in the run. A short run's cause is auto's own `why`."""
-    policy, plain = stats.policy, sum(1 for budget, _ in stats.budgets if not budget)
+    policy = stats.policy
+    plain = sum(1 for budget, _ in stats.budgets if not budget)
     if not getattr(policy, "gains", None) or 2 * plain < stats.steps:
         return None
     # A tree's gains were seen, so (1, 1) is among the trees rated: every tree has a node at depth 1
     rates = policy.rates()
-    best = max((choice for choice in rates if choice[0]), key=rates.get)
-    (budget, depth), (tokens, passes) = best, policy.gains[best]
+    best = max((choice for choice in rates if choice[0]), key=rates.get)  # (budget, max_depth)
+    budget, max_depth = best
+    tokens, passes = policy.gains[best]
     tree, plainly = apart(rates[best], rates[(0, 0)])
     said = (
         f"(auto decoded plainly in {plain} of {stats.steps} steps; its best tree, "
-        f"{count(budget, 'node')} {depth} deep, gives {tokens:.2f} tokens a target pass, {tree} "
-        f"tokens/s against {plainly} plainly"
+        f"{count(budget, 'node')} {max_depth} deep, gives {tokens:.2f} tokens a target pass, "
+        f"{tree} tokens/s against {plainly} plainly"
     )
     if rates[best] > rates[(0, 0)]:  # trees paid by the end: no cause against them
         return f"{said}: until late in the run, its trees measured slower)"
-    one, draft_s, tree_s = policy.t_target(1), passes * policy.draft_s, policy.t_target(budget + 1)
+    one = policy.t_target(1)
+    tree_s = policy.t_target(budget + 1)
+    draft_s = passes * policy.draft_s
     if draft_s > tree_s - one:  # the draft's passes cost more than the tree adds to the pass
         draft, target = apart(draft_s, one)
         return (
@@ -401,24 +430,6 @@ def why_plain(stats, offload=None):
         f"over one token: a pass here computes, which a tree multiplies. Trees pay where a pass "
         f"moves the weights{where})"
     )
-
-
-def pick_device(name):
-    import torch
-
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as error:
-        raise SpecExecError(f"--device {name}: {one_line(error)}") from None
-    if device.type != "cpu":
-        backend = getattr(torch, device.type, None)  # torch.cuda, torch.mps, torch.xpu
-        if not (hasattr(backend, "is_available") and backend.is_available()):
-            raise SpecExecError(f"--device {name}: no {device.type} device here; use --device cpu")
-        if (device.index or 0) >= backend.device_count():
-            raise SpecExecError(f"--device {name}: only {backend.device_count()} here")
-    return device
 
 
 def check_removable(ckpt, dtype, kind, offload_dir):
@@ -439,22 +450,23 @@ def check_removable(ckpt, dtype, kind, offload_dir):
             )
 
 
-def converted_copy(model, remove):
-    """What became of the ssd tier's converted copy of the checkpoint, in a line for the user
-    (None: the checkpoint was read in place); with remove, the copy is deleted."""
+def tell_converted_copy(model, remove):
+    """Where the ssd tier's converted copy of the checkpoint stays, or with `remove`, that it is
+    deleted, on stderr (nothing where the checkpoint was read in place)."""
     folder = model.converted_folder
     if folder is None or not folder.exists():
-        return None
+        return
     if not remove:
         size = sum(f.stat().st_size for f in folder.iterdir()) / 1e9
         stays = f"a converted copy ({size:.2f} GB) stays in {folder} for the next run"
-        return stays + "; --offload-clean removes it"
+        print(f"offload: {stays}; --offload-clean removes it", file=sys.stderr)
+        return
     try:
         shutil.rmtree(folder)
     except OSError as error:
         why = f"{error.strerror or error}: {error.filename}"
         raise OffloadError(f"cannot remove the converted copy {folder} ({why})") from None
-    return f"removed the converted copy {folder}"
+    print(f"offload: removed the converted copy {folder}", file=sys.stderr)
 
 
 # ---- output ----
@@ -510,7 +522,9 @@ class Streamer:
     """Prints text as tokens arrive; holds back an incomplete UTF-8 character."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.printed = tokenizer, [], 0
+        self.tokenizer = tokenizer
+        self.ids = []
+        self.printed = 0
 
     def __call__(self, tokens):
         self.ids += tokens
@@ -520,7 +534,15 @@ class Streamer:
             self.printed = len(text)
 
 
-# ---- entry point ----
+# ---- entry point and exit statuses ----
+
+
+def read_flags():
+    """`python specexec.py`'s first step, before torch loads: the flags, checked; Ctrl-C while
+    torch loads (seconds) then exits as it does later (130, quietly)."""
+    args = handled(parse_args)
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+    return args
 
 
 def main(args=None):
@@ -531,7 +553,9 @@ def main(args=None):
 
 
 def handled(work):
-    """`work()` under the command line's promise: a bad input is one `error:` line, exit 2."""
+    """`work()` under the command line's promise, every exit status in one place: a bad input
+    (or an output that cannot be written) is one `error:` line, exit 2; Ctrl-C 130; a reader
+    that left (`| head`) 1, quietly."""
     try:
         if sys.stdout is None:  # started with `>&-`
             raise SpecExecError("standard output is closed: send it to a file or /dev/null")
@@ -539,27 +563,20 @@ def handled(work):
         sys.stdout.flush()  # a full disk or closed pipe fails here, inside the handlers
         return result
     except (SpecExecError, OffloadError) as error:
-        fail(str(error))
+        message = str(error)
     except KeyboardInterrupt:  # Ctrl-C: leave the terminal as we found it
         if sys.stdout is not None and sys.stdout.isatty():
             print(RESET)
         sys.exit(130)
-    except BrokenPipeError:  # the reader left (`| head`): stop quietly
-        drop_stdout()
-        sys.exit(1)
     except OSError as error:  # mostly stdout that cannot be written (/dev/full, ulimit -f); the
-        drop_stdout()  # inputs' file errors are SpecExecErrors, caught where they are read
-        fail(f"{error.filename or 'cannot write the output'} ({error.strerror or error})")
-
-
-def fail(message):
+        # inputs' file errors are SpecExecErrors, caught where they are read. What stdout still
+        # holds goes to /dev/null, so that exiting does not fail on it again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        if isinstance(error, BrokenPipeError):  # the reader left: stop quietly
+            sys.exit(1)
+        message = f"{error.filename or 'cannot write the output'} ({error.strerror or error})"
     try:
         print(f"error: {message}", file=sys.stderr, flush=True)
     except (OSError, AttributeError):  # stderr full or closed: the status still says bad input
         os._exit(2)
     sys.exit(2)
-
-
-def drop_stdout():
-    """Send what stdout still holds to /dev/null, so that exiting does not fail on it again."""
-    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

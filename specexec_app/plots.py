@@ -198,7 +198,7 @@ def plot_cost_model(passes, cost, measured, predicted, choice, title):
 
     passes: [(tokens fed, seconds)]; cost: auto's CostModel; measured: {budget: Stats}, budget 0
     plain decoding, "auto" auto's run; predicted: {budget: (tokens per step, tokens/s)};
-    choice: (budget, depth, steps) auto chose most often.
+    choice: (budget, max_depth, steps) auto chose most often.
     """
     fig, (left, middle, right) = plt.subplots(1, 3, figsize=(13, 4.6), layout="constrained")
     fig.suptitle(title)
@@ -226,14 +226,14 @@ def plot_cost_model(passes, cost, measured, predicted, choice, title):
         ys = [getattr(measured[b], figure) for b in budgets]
         ax.plot(xs, ys, "o-", color="black", label="measured: fixed budget")
         ys = [p[i] for p in predicted.values()]
-        label = "predicted by the cost model (depth 16, or b)"
+        label = "predicted by the cost model (max_depth 16, or b)"
         ax.plot([log_budget(b) for b in predicted], ys, "s--", color="tab:blue", label=label)
         ax.set_xticks(xs, [str(b) if b else "plain" for b in budgets])
         ax.set(xlabel="budget (0: plain decoding)", ylabel=ylabel, title=title, ylim=(0, None))
     auto = measured["auto"]
     right.axhline(auto.tokens_per_second, color="tab:red", ls=":", label="auto, measured")
-    budget, depth, steps = choice
-    usual = f"budget {budget}, depth {depth}" if budget else "plain"
+    budget, max_depth, steps = choice
+    usual = f"budget {budget}, max_depth {max_depth}" if budget else "plain"
     label = f"auto's usual choice: {usual} ({steps} of {auto.steps} steps)"
     right.plot(log_budget(budget), auto.tokens_per_second, "*", color="tab:red", ms=16, label=label)
     right.set_ylim(0, max(right.get_ylim()[1], 1.1 * auto.tokens_per_second))  # auto's in view

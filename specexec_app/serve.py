@@ -10,11 +10,11 @@ template as --chat renders them), `POST /v1/completions` (a prompt, as it is), `
 
 One generation at a time, through one `Chat`, so each answer is what a fresh `specexec.generate`
 writes on the same request (greedy; sampled, with the same seed). An answer's last part carries
-`usage` and `"specexec"`: target passes, tokens per pass, the trees auto chose ("budget x depth":
-passes; "0x0": a plain pass), prompt tokens reused. A refused request gets OpenAI's error object
-and one log line, and the server goes on; a client that leaves a stream stops its generation at
-the next step. No request names a file or a model. The standard library serves it: one user's
-requests, answered in turn, need no async stack.
+`usage` and `"specexec"`: target passes, tokens per pass, the trees auto chose ("budget x
+max_depth": passes; "0x0": a plain pass), prompt tokens reused. A refused request gets OpenAI's
+error object and one log line, and the server goes on; a client that leaves a stream stops its
+generation at the next step. No request names a file or a model. The standard library serves
+it: one user's requests, answered in turn, need no async stack.
 """
 
 import hmac
@@ -28,7 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 from specexec_app import chat
-from specexec_tools import SpecExecError, models, one_line
+from specexec_tools import SpecExecError, one_line
 
 WORDS = {str: "a string", list: "an array", bool: "a boolean", (str, list): "a string or an array"}
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
@@ -42,8 +42,9 @@ class ApiError(Exception):
 
     def __init__(self, status, message, param=None, code=None):
         super().__init__(message)
-        self.status, self.body = status, {"error": dict(message=message, param=param, code=code)}
-        self.body["error"]["type"] = "invalid_request_error" if status < 500 else "server_error"
+        self.status = status
+        kind = "invalid_request_error" if status < 500 else "server_error"
+        self.body = {"error": dict(message=message, type=kind, param=param, code=code)}
 
 
 class Stopped(Exception):
@@ -53,15 +54,20 @@ class Stopped(Exception):
 class Server(ThreadingHTTPServer):
     """The HTTP server: a thread per connection (a Handler), one generation at a time (`lock`)
     through one `Chat` (specexec_app/chat.py), at most `size` requests waiting for it (`slots`:
-    the next is answered 503). `args`: the command line's --host, --port, --api-key and
-    --chat-template; `log`: a function of one line."""
+    the next is answered 503). `args`: the command line's (--host, --port, --api-key,
+    --chat-template); `log`: a function of one line."""
 
     def __init__(self, chat_, tokenizer, name, eos, args, size=32, log=None):
         super().__init__((args.host, args.port), Handler)
-        self.chat, self.tokenizer, self.name, self.eos = chat_, tokenizer, name, eos
-        self.template, self.api_key, self.log = args.chat_template, args.api_key, log or print_line
-        self.opts, self.limit = chat_.opts, models.preflight(chat_.target, chat_.draft, None)[1]
-        self.lock, self.slots = threading.Lock(), threading.Semaphore(size + 1)
+        self.chat = chat_
+        self.tokenizer = tokenizer
+        self.name = name
+        self.eos = eos
+        self.args = args
+        self.log = log or print_line
+        self.opts = chat_.opts  # a request's sampling fields change a copy of these
+        self.lock = threading.Lock()
+        self.slots = threading.Semaphore(size + 1)
         self.stopping = False
 
     def stop(self):
@@ -85,31 +91,34 @@ class Handler(BaseHTTPRequestHandler):
 
     timeout = 60  # seconds a client may leave its request half sent
     streaming = False  # whether a stream's head is written: a refusal comes as an event then
+    passes = 0  # target passes so far (`take` counts them)
+    text = ""  # the answer's text so far
+    sent = 0  # how much of it a stream has sent
 
     def do_POST(self):  # and GET: the endpoint decides
-        server = self.server
         try:
-            given, key = self.headers.get("Authorization", ""), f"Bearer {server.api_key}"
-            if server.api_key and not hmac.compare_digest(given.encode(), key.encode()):
+            given = self.headers.get("Authorization", "")
+            key = f"Bearer {self.server.args.api_key}"
+            if self.server.args.api_key and not hmac.compare_digest(given.encode(), key.encode()):
                 raise ApiError(401, "a wrong or no API key", code="invalid_api_key")
             if (self.command, self.path) == ("GET", "/v1/models"):
-                model = dict(id=server.name, object="model", created=0, owned_by="specexec")
+                model = dict(id=self.server.name, object="model", created=0, owned_by="specexec")
                 return self.reply(200, {"object": "list", "data": [model]}, "the model")
             if self.command != "POST" or self.path not in ENDPOINTS:
                 raise ApiError(404, f"no such endpoint: {self.command} {self.path}")
             self.check(self.read_json())
-            if not server.slots.acquire(blocking=False):
+            if not self.server.slots.acquire(blocking=False):
                 raise ApiError(503, "too many requests wait already: try again later")
         except ApiError as error:
             return self.fail(error)
         try:
-            with server.lock:
-                if not server.stopping:  # else Ctrl-C came while it waited
+            with self.server.lock:
+                if not self.server.stopping:  # else Ctrl-C came while it waited
                     self.answer()
         except OSError:  # a write failed: the generation, if it ran, stopped there
             self.note(499, "the client left")
         finally:
-            server.slots.release()
+            self.server.slots.release()
 
     do_GET = do_POST
 
@@ -129,36 +138,40 @@ class Handler(BaseHTTPRequestHandler):
         """The request's fields, each checked (the others are ignored): the messages, to go
         through the chat template, or the prompt, as it is; the sampling fields, in `opts`; the
         stop strings (each ends the answer, left out of it); whether it streams."""
-        server, opts, self.is_chat = self.server, self.server.opts, self.path == ENDPOINTS[0]
-        self.id, self.created = f"cmpl-{time.time_ns()}", int(time.time())  # ids: one a request
-        if (model := typed(body, "model", str)) != server.name:
+        self.is_chat = self.path == ENDPOINTS[0]
+        self.started = time.time_ns()  # its id, and its second
+        if (model := typed(body, "model", str)) != self.server.name:
             raise ApiError(404, f"no model {model!r} here", "model", "model_not_found")
-        key = "messages" if self.is_chat else "prompt"
-        if not (prompt := typed(body, key, list if self.is_chat else str)):
-            raise ApiError(400, f"{key} is empty", key)
-        for i, m in enumerate(prompt if self.is_chat else []):
+        self.key = "messages" if self.is_chat else "prompt"  # the field the prompt is in
+        self.prompt = typed(body, self.key, list if self.is_chat else str)
+        if not self.prompt:
+            raise ApiError(400, f"{self.key} is empty", self.key)
+        for i, m in enumerate(self.prompt if self.is_chat else []):
             fields = [m.get("role"), m.get("content")] if isinstance(m, dict) else [None]
             if not all(isinstance(field, str) for field in fields):
-                raise ApiError(400, f"messages[{i}] needs a role and its text", key)
+                raise ApiError(400, f"messages[{i}] needs a role and its text", self.key)
+        limit = self.server.chat.limit  # the context, in tokens
+        self.opts = self.server.opts
         for asked, option in SAMPLING.items():
             given = body.get(asked)
             try:  # Options checks the value's type and range
-                opts = opts if given is None else replace(opts, **{option: given})
+                self.opts = self.opts if given is None else replace(self.opts, **{option: given})
             except SpecExecError as error:
                 raise ApiError(400, f"{asked}: {error}", asked) from None
-            if option == "max_new_tokens" and given is not None and not 1 <= given <= server.limit:
-                raise ApiError(400, f"{asked} must be in [1, {server.limit}]: the context", asked)
+            if option == "max_new_tokens" and given is not None and not 1 <= given <= limit:
+                raise ApiError(400, f"{asked} must be in [1, {limit}]: the context", asked)
         stop = typed(body, "stop", (str, list), [])
         self.stop = [stop] if isinstance(stop, str) else stop
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ApiError(400, "stop must be a string or an array of them", "stop")
-        self.prompt, self.opts, self.stream = prompt, opts, typed(body, "stream", bool, False)
+        self.stream = typed(body, "stream", bool, False)
 
     def answer(self):
         """Generate the answer (the lock held), streamed as it comes where the request asks."""
-        server, stats = self.server, None
-        template, key = (server.template, "messages") if self.is_chat else ("off", "prompt")
-        self.tokens, self.passes, self.text, self.sent = [], 0, "", 0  # `take` fills them
+        server = self.server
+        stats = None
+        template = server.args.chat_template if self.is_chat else "off"
+        self.tokens = []  # every token written; `take` adds each pass's
         try:  # a turn that fails (Stopped, OSError) leaves the Chat to start the next afresh
             ids = chat.tokenize(server.tokenizer, self.prompt, template, server.name)
             server.chat.opts = self.opts
@@ -168,15 +181,15 @@ class Handler(BaseHTTPRequestHandler):
         except OSError:  # a write failed: the client left (do_POST says so)
             raise
         except SpecExecError as error:  # the prompt, refused as `generate` refuses it
-            return self.fail(ApiError(400, str(error), key))
+            return self.fail(ApiError(400, str(error), self.key))
         except Exception as error:  # the model failed (out of memory, say): this request only
             return self.fail(ApiError(500, f"the generation failed ({one_line(error)})"))
         self.send_text(len(self.text))  # what was held back
-        n_prompt, n_new = len(ids), len(self.tokens)  # self.tokens: every token it wrote
-        usage = dict(prompt_tokens=n_prompt, completion_tokens=n_new, total_tokens=n_prompt + n_new)
-        figures = dict(target_passes=self.passes, tokens_per_pass=round(n_new / self.passes, 2))
+        new = len(self.tokens)
+        usage = dict(prompt_tokens=len(ids), completion_tokens=new, total_tokens=len(ids) + new)
+        figures = dict(target_passes=self.passes, tokens_per_pass=round(new / self.passes, 2))
         if stats is not None:  # it ended by itself (not at a stop string): what auto chose too
-            trees = Counter(f"{budget}x{depth}" for budget, depth in stats.budgets)
+            trees = Counter(f"{budget}x{max_depth}" for budget, max_depth in stats.budgets)
             figures |= dict(trees=trees, reused_tokens=stats.reused, seed=stats.seed)
         finish = "stop" if stats is None or self.tokens[-1] in server.eos else "length"
         text = "" if self.stream else self.text  # a stream's last chunk: the end alone
@@ -212,14 +225,14 @@ class Handler(BaseHTTPRequestHandler):
 
     def completion(self, text, finish=None, **end):
         """The reply, or a chunk of its stream (a piece of text; "" and `end` at the end)."""
-        if not self.is_chat:
-            choice, kind = {"text": text}, "text_completion"
-        elif not self.stream:
-            choice, kind = {"message": {"role": "assistant", "content": text}}, "chat.completion"
-        else:
-            choice, kind = {"delta": {"content": text}}, "chat.completion.chunk"
+        kind = "text_completion"
+        choice = {"text": text}
+        if self.is_chat:  # a stream's chunk carries a delta of the message, a reply the message
+            kind = "chat.completion.chunk" if self.stream else "chat.completion"
+            message = {"content": text} if self.stream else {"role": "assistant", "content": text}
+            choice = {"delta" if self.stream else "message": message}
         choice = {"index": 0, **choice, "logprobs": None, "finish_reason": finish}
-        head = dict(id=self.id, object=kind, created=self.created)
+        head = dict(id=f"cmpl-{self.started}", object=kind, created=self.started // 10**9)
         return {**head, "model": self.server.name, "choices": [choice], **end}
 
     def write_event(self, body):  # the stream's head before its first event

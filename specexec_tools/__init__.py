@@ -19,6 +19,9 @@ import os
 from dataclasses import fields
 from pathlib import Path
 
+# quantize.py's kinds, held here: the command line reads them before torch loads
+KINDS = ("int8", "int4")
+
 
 class SpecExecError(ValueError):
     """Bad input to a run, reported to the user in one line."""

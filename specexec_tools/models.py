@@ -567,14 +567,18 @@ def as_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
 
 
 def as_device(device: torch.device | str | None) -> torch.device:
-    """A torch device from itself or its name (None: cuda if available, else cpu), one that
-    offload runs on: the cpu or an available cuda device."""
+    """A torch device from itself or its name (None: cuda if available, else cpu), one that the
+    project runs on, in memory or offloaded: the cpu or an available cuda device."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     try:
-        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise OffloadError(f"device {device!r}: {one_line(err)}") from None
     if device.type != "cpu" and not (device.type == "cuda" and torch.cuda.is_available()):
-        raise OffloadError(f"offload runs on cpu or an available cuda device, not {device}")
+        raise OffloadError(f"no {device} device here: the cpu or an available cuda device")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise OffloadError(f"{device}: only {torch.cuda.device_count()} cuda devices here")
     return device
 
 

@@ -20,15 +20,18 @@ smaller groups lose less to one outlier, and the rows here are short (256 inputs
 target); a float16 scale per 64 weights costs 0.25 bit each, 4.25 bits a weight in all.
 Scales are stored in the compute dtype, so the dequantized weight is q * scale rounded once.
 
-Pure arithmetic, importing no other module of the project: a weight that cannot be quantized is
-a ValueError, which checkpoint.Checkpoint.check_layers turns into its one-line error.
+Pure arithmetic, importing nothing of the project but the kinds' names (KINDS, held in
+specexec_tools/__init__.py: the command line reads them before torch loads): a weight that cannot
+be quantized is a ValueError, which checkpoint.Checkpoint.check_layers turns into its one-line
+error.
 offload.py's `Dequantizing` storage runs `dequantize_layer` as each layer lands, and the
 self-draft (`--draft int8|int4`, offload.self_draft) is the target's own quantized copy.
 """
 
 import torch
 
-KINDS = ("int8", "int4")
+from specexec_tools import KINDS  # noqa: F401  (int8, int4: offload.py reads them here)
+
 QMAX = {"int8": 127, "int4": 7}  # largest level; levels are symmetric around 0
 GROUP = 64  # int4: inputs of a row that share one scale
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
