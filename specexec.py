@@ -284,7 +284,8 @@ def tree_mask(parents, n_prefix, dtype, device, window=None, n_new=None):
     first = n - (n if n_new is None else n_new)  # the first token whose row is asked for
     # Each row asked for climbs from its token to the root, noting what it passes: no work for the
     # rows not asked (a draft pass feeds a few nodes below a large tree)
-    rows, seen = [], []  # (row, j): j is the row's token or one of its ancestors
+    rows = []  # with `seen`, pairs (row, j): j is the row's token or one of its ancestors
+    seen = []
     for row, i in enumerate(range(first, n)):
         while i >= 0:
             rows.append(row)
