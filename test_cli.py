@@ -54,9 +54,10 @@ SCRIPT = HERE / "specexec.py"
 # transformers) and forks, for each run, a child that runs specexec.py as __main__ with its own
 # argv and file descriptors 0, 1, 2: each run is still a process of its own, whose exit status,
 # whatever reaches its stderr (tracebacks, log lines, warnings) and interpreter exit are a user's.
+# A run of another copy of the modules (installed alone) imports that copy's, torch still loaded.
 # Runs that need a fresh interpreter (an environment read at start-up, a function before exec
-# that a whole server cannot run under, a stdout that is no file, another copy of the modules)
-# start one; those that drop root's file access are forked from a server started so.
+# that a whole server cannot run under, a stdout that is no file) start one; those that drop
+# root's file access are forked from a server started so.
 FORK_SERVER = r"""
 import atexit, gc, os, pickle, runpy, signal, sys, threading
 
@@ -102,9 +103,14 @@ def serve(requests, replies, parallel):
 requests, replies = os.fdopen(int(sys.argv[1]), "rb"), os.fdopen(int(sys.argv[2]), "wb")
 pickle.dump("ready", replies)
 replies.flush()
+here = os.path.dirname(os.path.abspath(specexec.__file__))
 sys.argv = serve(requests, replies, int(sys.argv[3]))
 sys.path[0] = os.path.dirname(sys.argv[0])  # as `python specexec.py` sets it
-del requests, replies, serve
+if sys.path[0] != here:  # another copy of the modules (installed alone): those are imported
+    project = ("specexec", "offload", "specexec_app", "specexec_tools")
+    for name in [name for name in sys.modules if name.split(".")[0] in project]:
+        del sys.modules[name]
+del requests, replies, serve, here
 # Then Python's own exit (its status, a traceback, threads joined, atexit, output flushed),
 # but for tearing the modules down, which with torch loaded takes a second.
 try:
@@ -172,8 +178,9 @@ class ForkServer:
             )
             stdin.write_bytes(given.encode() if isinstance(given, str) else given or b"")
             stdout.touch(), stderr.touch()
-            argv = [str(SCRIPT), *map(os.fsdecode, argv)]  # sys.argv, as Python decodes bytes
-            batch.append((argv, str(HERE), str(stdin), output or str(stdout), str(stderr)))
+            script = options.get("script", SCRIPT)
+            argv = [str(script), *map(os.fsdecode, argv)]  # sys.argv, as Python decodes bytes
+            batch.append((argv, str(script.parent), str(stdin), output or str(stdout), str(stderr)))
             files.append((argv[1:], None if output else stdout, stderr))
         pickle.dump(batch, self.requests)
         self.requests.flush()
@@ -219,9 +226,9 @@ def close_the_fork_servers():
 
 def forked(options):
     """Whether a run can be forked from a fork server: nothing of a fresh interpreter's asked (an
-    environment, another copy of the modules, a function before exec that a whole server cannot
-    run under), stdout a file if any."""
-    plain = options.get("script", SCRIPT) == SCRIPT and not options.get("env")
+    environment, a function before exec that a whole server cannot run under), stdout a file if
+    any."""
+    plain = not options.get("env")
     plain &= options.get("preexec_fn") in (None, drop_root_file_access)
     to_file = {"stdout"} if isinstance(getattr(options.get("stdout"), "name", 0), str) else set()
     return plain and set(options) <= {"env", "input", "script", "timeout", "preexec_fn"} | to_file
@@ -360,7 +367,6 @@ def test_bad_options_fail_in_one_line(tmp_path):
     wider = save_tiny(tmp_path / "wider", vocab=80)  # the same 64 words over 80 embedding rows
     pair = ["--target", good, "--draft", good, "--prompt", "w1 w2"]
     offline = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
-    no_hub = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "hf")}  # refused
     cases = [
         (["--target", str(tmp_path / "missing"), "--draft", good], "no such model folder"),
         (["--target", good, "--draft", other], "tokenizers differ"),
@@ -390,7 +396,6 @@ def test_bad_options_fail_in_one_line(tmp_path):
         ([*pair, "--device-memory", "nan"], "nan is not a finite number"),
         (["--target", good, "--draft", "int4", "--prompt", "w1"], "int4 quantizes groups of 64"),
         (["--target", "nobody/no-such-model"], "HF_HUB_OFFLINE is set", {"env": offline}),
-        (["--target", "nobody/no-such-model"], "127.0.0.1 cannot be reached", {"env": no_hub}),
         (["--target", "", "--draft", good], "--target is empty"),  # not the default pair
         ([*pair, "--draft", ""], "--draft is empty"),
         ([*pair, "--prompt", b"w1 \xff"], "--prompt is not UTF-8 text (byte 0xff at character 3)"),
@@ -456,13 +461,16 @@ def test_paths_and_draft_kinds_are_refused_before_torch_loads(tmp_path):
 
 def test_hub_id_offline_fails_fast(tmp_path):
     """A dead network costs one quick look, not the hub client's half minute of retries (which
-    it announces); the timeout only catches a hang, so a slow machine does not fail this."""
+    it announces), and one line; the timeout only catches a hang, so a slow machine does not
+    fail this."""
     no_hub = {"env": {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path)}}
     hub_ids = ("nobody/no-such-model", "gpt2")  # an id without an organisation is one too
     for result in cli_run_all(
         [(["--target", hub_id], {**no_hub, "timeout": 600}) for hub_id in hub_ids]
     ):
-        assert result.returncode == 2 and "127.0.0.1 cannot be reached" in result.stderr
+        err = result.stderr.splitlines()
+        assert result.returncode == 2 and len(err) == 1 and err[0].startswith("error: "), err
+        assert "127.0.0.1 cannot be reached" in err[0] and result.stdout == ""
         assert "local model folder" in result.stderr and "Retrying" not in result.stderr
 
 
@@ -1309,10 +1317,8 @@ def test_a_run_that_decoded_plainly_says_why_once(tmp_path):
 def test_installed_without_the_clone_says_where_the_default_pair_is(tmp_path):
     """`pip install .` puts the modules in site-packages; models/ stays in the clone."""
     script = copy_modules(tmp_path)
-    no_pair, no_prompt = (
-        cli_run(script=script),
-        cli_run("--target", str(PAIR / "target"), "--draft", str(PAIR / "draft"), script=script),
-    )
+    pair = ["--target", str(PAIR / "target"), "--draft", str(PAIR / "draft")]
+    no_pair, no_prompt = cli_run_all([([], {"script": script}), (pair, {"script": script})])
     assert no_pair.returncode == 2 and no_pair.stderr.count("\n") == 1
     assert "the default pair lives in a clone's models/" in no_pair.stderr
     assert no_prompt.returncode == 2 and "pass --prompt" in no_prompt.stderr

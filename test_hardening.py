@@ -32,6 +32,7 @@ from test_cli import (
     check_errors,
     clean_env,
     cli_run,
+    cli_run_all,
     close_the_fork_servers,  # noqa: F401  (closed at the session's end)
     edit_json,
     save_tiny,
@@ -178,13 +179,17 @@ def test_an_answer_cut_by_the_context_says_so_in_a_chat_and_in_a_run(good):
     """A prompt of 120 tokens in a context of 128, and 20 new tokens asked for: the answer
     stops at the end of the context, and the summary says why, rather than look finished."""
     pair = ["--target", good, "--draft", good, "--max-new-tokens", "20"]
-    code, out, err = chat_run(pair, b"w1 " * 120 + b"\n")
-    assert code == 0 and summaries(out), err[-2000:]
-    assert summaries(out)[0].endswith("; stopped at the end of the context"), out
-    one = cli_run(*pair, "--prompt", "w1 " * 120)
+    chat, one, short = cli_run_all(
+        [
+            (["--chat", *pair], {"input": b"w1 " * 120 + b"\n"}),
+            ([*pair, "--prompt", "w1 " * 120], {}),
+            ([*pair, "--prompt", "w1 w2"], {}),  # stopped by --max-new-tokens: nothing said
+        ]
+    )
+    assert chat.returncode == 0 and summaries(chat.stdout), chat.stderr[-2000:]
+    assert summaries(chat.stdout)[0].endswith("; stopped at the end of the context"), chat.stdout
     assert one.returncode == 0, one.stderr[-2000:]
     assert summaries(one.stdout)[0].endswith("; stopped at the end of the context"), one.stdout
-    short = cli_run(*pair, "--prompt", "w1 w2")  # stopped by --max-new-tokens: nothing said
     assert "end of the context" not in short.stdout and short.returncode == 0
 
 
@@ -195,9 +200,11 @@ def test_windows_line_ends_give_the_answers_of_unix_ones():
     argv = ["--target", str(PAIR / "target"), "--draft", str(PAIR / "draft")]
     turns = b"def add(a, b):\nreturn a\n/exit\nnever sent\n"
     argv += ["--max-new-tokens", "6"]
-    unix, windows = chat_run(argv, turns), chat_run(argv, turns.replace(b"\n", b"\r\n"))
-    assert unix[0] == windows[0] == 0, windows[2][-2000:]
-    assert said(windows[1]) == said(unix[1]) and len(summaries(windows[1])) == 2
+    unix, windows = cli_run_all(
+        [(["--chat", *argv], {"input": lines}) for lines in (turns, turns.replace(b"\n", b"\r\n"))]
+    )
+    assert unix.returncode == windows.returncode == 0, windows.stderr[-2000:]
+    assert said(windows.stdout) == said(unix.stdout) and len(summaries(windows.stdout)) == 2
 
 
 class Live:
