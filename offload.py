@@ -19,9 +19,6 @@ rotary embedding and KV cache stay on the device; each decoder layer is copied i
 | int8 / int4 weights          | `Dequantizing` around either storage; arithmetic: quantize.py    |
 | what a device must do        | `Cuda` (streams, events) and `Cpu`; tests add a fake one         |
 
-Storage (where each layer's bytes are), state (which layer is in which slot) and the model are
-kept apart: the Hugging Face model runs its own forward over `StreamedLayers`.
-
 Ordering on CUDA, without a host synchronize per layer: a load records a "ready" event on the
 copy stream (quantized: on the dequant stream, after the copies), and compute waits on it on the
 device; a release records a "freed" event on the compute stream, and the next copy into that slot
@@ -76,27 +73,16 @@ class OffloadedCausalLM(nn.Module):
             storage.close()
         hf_model.model.layers = self.streamed
         self.hf = hf_model  # all on the device, except the decoder layers' weights
+        self.config = hf_model.config
+        self.generation_config = hf_model.generation_config
+        self.device = hf_model.lm_head.weight.device
+        self.dtype = hf_model.lm_head.weight.dtype
+        self.streams = bool(self.ring.order)  # some layer moves every pass
         self.layouts = storage.layouts  # what each layer moves
         self.converted_folder = converted  # the ssd tier's copy, or None
         self.quantized = kind  # int8, int4 or None
         self.stats = PassStats(resident_layers=len(self.ring.resident))
         self.pass_costs = {}  # tokens -> (seconds, seconds not waiting for weights): time_passes
-
-    @property
-    def config(self):
-        return self.hf.config
-
-    @property
-    def generation_config(self):
-        return self.hf.generation_config
-
-    @property
-    def device(self) -> torch.device:
-        return self.hf.lm_head.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.hf.lm_head.weight.dtype
 
     @property
     def pinned_bytes(self) -> int:
@@ -105,10 +91,6 @@ class OffloadedCausalLM(nn.Module):
     @property
     def closed(self) -> bool:
         return not self.finalizer.alive
-
-    @property
-    def streams(self) -> bool:
-        return bool(self.ring.order)  # some layer moves every pass
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, **kwargs):  # (batch, q); as the wrapped model's
@@ -498,8 +480,7 @@ def pack(tensors: dict) -> Layout:
     return Layout(specs, offset)
 
 
-def round_up(nbytes: int) -> int:
-    """To whole pages."""
+def round_up(nbytes: int) -> int:  # to whole pages
     return -(-nbytes // PAGE) * PAGE
 
 
@@ -735,11 +716,9 @@ class Cpu:
         self.link_gb_per_s = link_gb_per_s
 
     def record(self, stream: str) -> float:
-        """An event: the time it was recorded."""
         return time.perf_counter()
 
-    def seconds(self, start: float, end: float) -> float:
-        """Seconds between two events, once both have passed."""
+    def seconds(self, start: float, end: float) -> float:  # between two events that have passed
         return end - start
 
     def wait_event(self, stream: str, event) -> None:
@@ -764,12 +743,10 @@ class Cpu:
             link_s = dst.nbytes / (self.link_gb_per_s * 1e9)
             time.sleep(max(0.0, started + link_s - time.perf_counter()))
 
-    def launch(self, fn, *args, **kwargs):
-        """Compute: run here, now."""
+    def launch(self, fn, *args, **kwargs):  # compute
         return fn(*args, **kwargs)
 
-    def convert(self, fn, *args) -> None:
-        """Dequantizing, on its own stream after the copies it waits for: here, now."""
+    def convert(self, fn, *args) -> None:  # dequantizing, after the copies it waits for
         fn(*args)
 
     def close(self) -> None:
