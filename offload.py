@@ -100,10 +100,6 @@ class OffloadedCausalLM(nn.Module):
         ops = self.ring.ops
         self.stats = PassStats(resident_layers=len(self.ring.resident))  # this pass's
         self.streamed.waits.clear()
-        # the link idled from its last load's landing (if it has landed) until this pass began
-        last = self.ring.queue[-1].issued if self.ring.queue else None
-        landed = last.result() if last is not None and last.done() else None
-        idle_until = ops.record("copy")
         self.ring.start_pass()
         try:
             out = self.hf(input_ids.to(self.device), **kwargs)  # logits (batch, q, vocab)
@@ -119,8 +115,7 @@ class OffloadedCausalLM(nn.Module):
         ops.host_wait(ops.record("compute"))
         self.stats.pass_s = time.perf_counter() - started
         self.stats.wait_s = sum(ops.seconds(*around) for _, *around in self.streamed.waits)
-        if landed is not None:
-            self.stats.link_idle_s = max(0.0, ops.seconds(landed, idle_until))
+        self.stats.link_idle_s = self.ring.link_idle_s()
         return out
 
     def time_passes(self, most=128) -> None:
@@ -379,15 +374,29 @@ class LayerRing:
         self.queue = deque()  # Loads in the order they will be used, not yet handed out
         self.in_use = None  # the Load handed out by wait(), not yet released
         self.whole = True  # the last pass ran to its end (see start_pass)
+        self.idle_from = None  # the last load's "ready" event, if it landed before this pass
+        self.idle_until = None  # this pass's start, an event on the copy stream
 
     def start_pass(self) -> None:
         """Keep what the last pass prefetched for its first layers; start from nothing loaded
         after a pass that stopped part-way (even in its own clean-up: a second Ctrl-C), or one
         over fewer layers."""
+        # the link idles from its last load's landing until now; a load that failed raises its
+        # error where the pass waits for its layer, not here
+        last = self.queue[-1].issued if self.queue else None
+        landed = last is not None and last.done() and last.exception() is None
+        self.idle_from = last.result() if landed else None
+        self.idle_until = self.ops.record("copy")  # before this pass's first copies are queued
         if not self.whole or (self.queue and self.queue[0].layer != self.order[0]):
             self.drain()
         self.whole = False  # until this pass has run to its end
         self.prefetch_first()
+
+    def link_idle_s(self) -> float:
+        """Seconds the link sat idle before this pass began, once the pass's events have passed."""
+        if self.idle_from is None:
+            return 0.0
+        return max(0.0, self.ops.seconds(self.idle_from, self.idle_until))
 
     def prefetch_first(self) -> None:
         """The next pass's first layers, one per free slot. Issued as a pass ends, they load
