@@ -19,11 +19,6 @@ rotary embedding and KV cache stay on the device; each decoder layer is copied i
 | int8 / int4 weights          | `Dequantizing` around either storage; arithmetic: quantize.py    |
 | what a device must do        | `Cuda` (streams, events) and `Cpu`; tests add a fake one         |
 
-Storage (each layer's bytes and where they are), state (which layer occupies which device slot)
-and config (the Hugging Face model: config, masks, rotary, the decoder layers' code) are kept
-apart: the Hugging Face model runs its own forward, its list of decoder layers replaced by
-`StreamedLayers`, whose iteration brings each layer in and takes it out again.
-
 Ordering on CUDA, without a host synchronize per layer: a load records a "ready" event on the
 copy stream (quantized: on the dequant stream, after the copies), and compute waits on it on the
 device; a release records a "freed" event on the compute stream, and the next copy into that slot
@@ -78,27 +73,16 @@ class OffloadedCausalLM(nn.Module):
             storage.close()
         hf_model.model.layers = self.streamed
         self.hf = hf_model  # all on the device, except the decoder layers' weights
+        self.config = hf_model.config
+        self.generation_config = hf_model.generation_config
+        self.device = hf_model.lm_head.weight.device
+        self.dtype = hf_model.lm_head.weight.dtype
+        self.streams = bool(self.ring.order)  # some layer moves every pass
         self.layouts = storage.layouts  # what each layer moves
-        self.converted_folder = converted  # the ssd tier's copy (or None)
-        self.quantized = kind  # int8 / int4 (or None)
+        self.converted_folder = converted  # the ssd tier's copy, or None
+        self.quantized = kind  # int8, int4 or None
         self.stats = PassStats(resident_layers=len(self.ring.resident))
         self.pass_costs = {}  # tokens -> (seconds, seconds not waiting for weights): time_passes
-
-    @property
-    def config(self):
-        return self.hf.config
-
-    @property
-    def generation_config(self):
-        return self.hf.generation_config
-
-    @property
-    def device(self) -> torch.device:
-        return self.hf.lm_head.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.hf.lm_head.weight.dtype
 
     @property
     def pinned_bytes(self) -> int:
@@ -108,10 +92,6 @@ class OffloadedCausalLM(nn.Module):
     def closed(self) -> bool:
         return not self.finalizer.alive
 
-    @property
-    def streams(self) -> bool:
-        return bool(self.ring.order)  # some layer moves every pass
-
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, **kwargs):  # (batch, q); as the wrapped model's
         if self.closed:  # its reader thread and files are gone
@@ -120,11 +100,6 @@ class OffloadedCausalLM(nn.Module):
         ops = self.ring.ops
         self.stats = PassStats(resident_layers=len(self.ring.resident))  # this pass's
         self.streamed.waits.clear()
-        # the link's idle time since the last pass: from its last load's landing to now (still
-        # loading, not yet issued: none)
-        last = self.ring.queue[-1].issued if self.ring.queue else None
-        landed = last.result() if last is not None and last.done() else None
-        idle_until = ops.record("copy")
         self.ring.start_pass()
         try:
             out = self.hf(input_ids.to(self.device), **kwargs)  # logits (batch, q, vocab)
@@ -140,15 +115,13 @@ class OffloadedCausalLM(nn.Module):
         ops.host_wait(ops.record("compute"))
         self.stats.pass_s = time.perf_counter() - started
         self.stats.wait_s = sum(ops.seconds(*around) for _, *around in self.streamed.waits)
-        if landed is not None:
-            self.stats.link_idle_s = max(0.0, ops.seconds(landed, idle_until))
+        self.stats.link_idle_s = self.ring.link_idle_s()
         return out
 
     def time_passes(self, most=128) -> None:
-        """A pass over `most` tokens, then one (no cache), timed: what a pass costs here, and how
-        much of it is compute rather than waiting for weights: budget auto sizes its first tree
-        for them (cost_model.make_policy asks once per model, the CLI as it loads), as Sequoia
-        sizes its trees for the hardware before it runs. The one-token pass last, warm."""
+        """Time a pass over `most` tokens, then one (warm), without a cache: budget auto sizes its
+        first tree by what a pass costs and how much of it is compute (as Sequoia sizes its trees
+        for the hardware before it runs)."""
         for n in (min(most, self.config.max_position_embeddings), 1):
             self(torch.zeros(1, n, dtype=torch.long))  # (1, n)
             self.pass_costs[n] = self.stats.pass_s, self.stats.pass_s - self.stats.wait_s
@@ -219,7 +192,7 @@ class StreamedLayers:
         ring = self.ring
         for i in self.indices:
             if i not in ring.resident:  # a resident layer is bound to a buffer of its own for good
-                # prefetch next: the streamed layer `lookahead` on takes the slot released last;
+                # prefetch next: the streamed layer `ring.after[i]` takes the slot released last;
                 # near the end, the next pass's first layers (they load during the LM head)
                 ring.prefetch(ring.after[i])
 
@@ -236,7 +209,7 @@ class StreamedLayers:
             yield partial(ring.ops.launch, self.layers[i])
 
             # release: back to meta, so only the ring holds weights and the slot may be refilled
-            self.release()  # (a resident layer holds no slot: nothing to do)
+            self.release()  # (a resident layer holds none)
 
     def release(self) -> None:
         """Unbind the layer in use, if any; also what an exception mid-pass leaves behind."""
@@ -364,10 +337,9 @@ def count_resident(hf, dtype, device_memory, context, buffers, sizes: SlotSizes)
 
 
 def self_draft(target, kind: str, **options) -> OffloadedCausalLM:
-    """The target's own int8 or int4 copy as SpecExec's draft (SubSpec, 2025): the same tokenizer
-    by construction, no second checkpoint, every layer resident; `options` as from_pretrained's.
-    Its weights are held dequantized (no int8 / int4 kernels here): it computes exactly the
-    quantized model, but holds the full model's bytes on the device, not a quarter of them."""
+    """The target's own int8 or int4 copy as SpecExec's draft (SubSpec, 2025): the same tokenizer,
+    no second checkpoint, every layer resident; `options` as from_pretrained's. Held dequantized
+    (no int8 / int4 kernels here): the quantized model's outputs at the full model's bytes."""
     if kind not in quant.KINDS:
         raise OffloadError(f"a self-draft is 'int8' or 'int4', not {kind!r}")
     return from_pretrained(target, mode="ram", quantize=kind, device_memory=math.inf, **options)
@@ -395,22 +367,36 @@ class LayerRing:
         self.order = [i for i in range(n_layers) if i not in self.resident]  # the streamed layers
         self.slots = [ops.device_buffer(sizes.slot) for _ in self.order[:buffers]]  # (slot,)
         self.freed = [None] * len(self.slots)  # each slot's last release, an event on compute
-        ahead = self.lookahead = max(0, len(self.slots) - 1)  # layers loading while one computes
-        # prefetched as each streamed layer starts: the one `lookahead` on (past the end: wrapped)
+        ahead = max(0, len(self.slots) - 1)  # streamed layers loading while one computes
+        # prefetched as each streamed layer starts: the one `ahead` on (past the end: wrapped)
         self.after = dict(zip(self.order, self.order[ahead:] + self.order[:ahead]))
         self.reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-reader")
         self.queue = deque()  # Loads in the order they will be used, not yet handed out
         self.in_use = None  # the Load handed out by wait(), not yet released
         self.whole = True  # the last pass ran to its end (see start_pass)
+        self.idle_from = None  # the last load's "ready" event, if it landed before this pass
+        self.idle_until = None  # this pass's start, an event on the copy stream
 
     def start_pass(self) -> None:
         """Keep what the last pass prefetched for its first layers; start from nothing loaded
         after a pass that stopped part-way (even in its own clean-up: a second Ctrl-C), or one
         over fewer layers."""
+        # the link idles from its last load's landing until now; a load that failed raises its
+        # error where the pass waits for its layer, not here
+        last = self.queue[-1].issued if self.queue else None
+        landed = last is not None and last.done() and last.exception() is None
+        self.idle_from = last.result() if landed else None
+        self.idle_until = self.ops.record("copy")  # before this pass's first copies are queued
         if not self.whole or (self.queue and self.queue[0].layer != self.order[0]):
             self.drain()
         self.whole = False  # until this pass has run to its end
         self.prefetch_first()
+
+    def link_idle_s(self) -> float:
+        """Seconds the link sat idle before this pass began, once the pass's events have passed."""
+        if self.idle_from is None:
+            return 0.0
+        return max(0.0, self.ops.seconds(self.idle_from, self.idle_until))
 
     def prefetch_first(self) -> None:
         """The next pass's first layers, one per free slot. Issued as a pass ends, they load
@@ -438,7 +424,6 @@ class LayerRing:
         self.queue.append(Load(layer, slot, issued))
 
     def _load(self, layer: int, slot: int, freed):
-        """Issues the copy stream's work for one layer into its slot (see prefetch: where)."""
         if freed is not None:  # the slot's last occupant has run: only then overwrite it
             self.ops.wait_event("copy", freed)
         return self.storage.load(layer, self.slots[slot], self.ops)
@@ -458,10 +443,9 @@ class LayerRing:
         self.in_use = None
 
     def drain(self) -> None:
-        """Back to the start state, nothing loaded: the slot in use released, and every load
-        issued has run (the reader's, queued or not: it runs them in turn) and is forgotten. (On
-        a device, a dropped load's copies and dequantizing still queued come before the next
-        load's into that slot on their streams: the last to write its weights is the next.)"""
+        """Back to nothing loaded: the slot in use released, every load issued run and forgotten.
+        (On a device, a dropped load's work still queued comes before the next load's into that
+        slot on their streams: the last to write its weights is the next.)"""
         if self.in_use is not None:
             self.release()
         self.reader.submit(lambda: None).result()  # every load handed to the reader has run
@@ -505,16 +489,13 @@ def pack(tensors: dict) -> Layout:
     return Layout(specs, offset)
 
 
-def round_up(nbytes: int) -> int:
-    """To whole pages."""
+def round_up(nbytes: int) -> int:  # to whole pages
     return -(-nbytes // PAGE) * PAGE
 
 
 class Storage:
-    """Where layers' bytes live. `layouts[i]`, a Layout: what a load of layer i moves into a slot.
-    `load` queues a layer's way into a slot and returns the event compute waits for;
-    `load_resident` does it once for a resident layer, into a buffer it binds for good; `close`
-    gives back what the storage holds."""
+    """Where layers' bytes live. `layouts[i]`: what a load of layer i moves into a slot; `load`
+    queues that and returns the event compute waits for; `load_resident`: once, for good."""
 
     reads_ssd = False  # whether a load blocks the host on the SSD
 
@@ -550,8 +531,7 @@ class RamStorage(Storage):
         return ops.record("copy")
 
     def close(self) -> None:
-        """Unpin the arena (once its copies have run) and let it go: nothing reads it again."""
-        if self.buffers:
+        if self.buffers:  # unpinned once its copies have run
             self.ops.free_host(self.arena)
             self.arena = None
             self.buffers = []
@@ -573,7 +553,8 @@ def plan_reads(entries: dict[str, files.Entry]) -> tuple[Layout, list[Read]]:
         if not (last and last.path == entry.path and entry.start <= covered):  # a new range
             end = last.buffer_offset + round_up(last.nbytes) if last else 0  # its buffer end
             reads.append(Read(entry.path, entry.start // PAGE * PAGE, 0, end))
-        last = reads[-1] = reads[-1]._replace(nbytes=entry.end - reads[-1].file_offset)
+        reads[-1] = reads[-1]._replace(nbytes=entry.end - reads[-1].file_offset)  # to its end
+        last = reads[-1]
         offset = last.buffer_offset + entry.start - last.file_offset
         tensors[name] = TensorSpec(offset, entry.dtype, entry.shape)
     return Layout(tensors, reads[-1].buffer_offset + round_up(reads[-1].nbytes)), reads
@@ -581,10 +562,9 @@ def plan_reads(entries: dict[str, files.Entry]) -> tuple[Layout, list[Read]]:
 
 class SsdStorage(Storage):
     """Layers stay in safetensors files; a layer is a few preads, two in flight (an SSD serves a
-    queue faster than one read). Where the device cannot read host memory, reads land in pinned
-    staging chunks, copied on tensor by tensor to where `pack` puts each, so SSD and copy engine
-    overlap; chunk k is read into again once its last copy finished, the one wait that blocks the
-    host. Read straight in (O_DIRECT), tensors keep their file's alignment (CPUs don't mind)."""
+    queue faster than one read), straight into the slot (O_DIRECT; tensors keep their file's
+    alignment) or, where the device reads no host memory, into pinned staging chunks copied on
+    tensor by tensor to where `pack` puts each; a chunk is read into again once its copy ran."""
 
     piece_nbytes = 32 * 2**20  # the most one pread asks for (through staging: a chunk)
     reads_ssd = True
@@ -684,7 +664,6 @@ class Dequantizing(Storage):
         self.reads_ssd = storage.reads_ssd
         self.kind = kind
         self.sizes = sizes
-        # where a slot's dequantized weights go, after the moved bytes; a resident layer's buffer
         self.weights, self.plain = dequantized_layouts(shapes, dtype)
 
     def load(self, layer: int, slot: torch.Tensor, ops):
@@ -729,11 +708,10 @@ class Cpu:
     """Each "stream" is the thread that issues its work (copy and dequant: the reader; compute: the
     caller), run in order: an event is done once recorded, the time it was, and waits are free.
 
-    `link_gb_per_s`: the paper's regime on any machine. Each copy into a slot then takes its bytes
-    over that bandwidth, on the reader thread, beside compute, as a GPU's copy stream moves a
-    layer from pinned RAM over PCIe: with mode="ram" and a link slow against the CPU's compute (a
-    70B model's 36 GB over PCIe against an H100's), a pass over a big tree costs about what a pass
-    over one token does. It shows the regime; it is not the speed of any real hardware."""
+    `link_gb_per_s`: the paper's regime on any machine. Each copy into a slot takes its bytes over
+    that bandwidth, beside compute, as a GPU's copy stream moves a layer over PCIe: with mode="ram"
+    and a link slow against compute (a 70B model's 36 GB against an H100's), a pass over a big tree
+    costs about what one over a token does. It shows the regime, not any hardware's speed."""
 
     staging = None  # slots are host memory, where an ssd read lands directly
     queues = False  # copies run when issued, on the issuing thread (the reader's, beside compute)
@@ -747,11 +725,9 @@ class Cpu:
         self.link_gb_per_s = link_gb_per_s
 
     def record(self, stream: str) -> float:
-        """An event: the time it was recorded."""
         return time.perf_counter()
 
-    def seconds(self, start: float, end: float) -> float:
-        """Seconds between two events, once both have passed."""
+    def seconds(self, start: float, end: float) -> float:  # between two events that have passed
         return end - start
 
     def wait_event(self, stream: str, event) -> None:
@@ -776,12 +752,10 @@ class Cpu:
             link_s = dst.nbytes / (self.link_gb_per_s * 1e9)
             time.sleep(max(0.0, started + link_s - time.perf_counter()))
 
-    def launch(self, fn, *args, **kwargs):
-        """Compute: run here, now."""
+    def launch(self, fn, *args, **kwargs):  # compute
         return fn(*args, **kwargs)
 
-    def convert(self, fn, *args) -> None:
-        """Dequantizing, on its own stream after the copies it waits for: here, now."""
+    def convert(self, fn, *args) -> None:  # dequantizing, after the copies it waits for
         fn(*args)
 
     def close(self) -> None:
@@ -790,9 +764,8 @@ class Cpu:
 
 class Cuda(Cpu):
     """A copy stream and a dequant stream beside the compute (current) stream, ordered by events,
-    never the host. Host memory is page-aligned and registered with cudaHostRegister, pinned byte
-    for byte (`pin_memory=True` rounds up to a power of two: 16 GiB for a 12 GiB model). Right by
-    construction; the tests run its ordering on a fake device."""
+    never the host. Host memory is pinned byte for byte (cudaHostRegister; `pin_memory=True` rounds
+    up to a power of two: 16 GiB for 12). The tests run its ordering on a fake device."""
 
     staging = (4, 32 * 2**20)  # pinned chunks an ssd read passes through: (count, bytes each)
     queues = True  # a copy is queued on the copy stream and the host goes on at once
@@ -842,15 +815,13 @@ class Cuda(Cpu):
     def host_wait(self, event: torch.cuda.Event) -> None:
         event.synchronize()
 
-    def on(self, stream: str, fn, *args, **kwargs) -> None:
-        with torch.cuda.stream(self.streams[stream]):
-            fn(*args, **kwargs)
-
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.on("copy", dst.copy_, src, non_blocking=True)
+        with torch.cuda.stream(self.streams["copy"]):
+            dst.copy_(src, non_blocking=True)
 
     def convert(self, fn, *args) -> None:
-        self.on("dequant", fn, *args)
+        with torch.cuda.stream(self.streams["dequant"]):
+            fn(*args)
 
     def close(self) -> None:
         for buffer in list(self.registered):  # what a storage left pinned (normally nothing)

@@ -710,17 +710,24 @@ def test_broken_configs_of_supported_families_say_the_config_is_broken(tmp_path,
     check_errors(cases)
 
 
+def overflowing_head(tensors):
+    """Final norm and head weights of 1e30: each product in the head's matmul overflows float32
+    (a negative rms_norm_eps did this once; it is refused as config.json is read now)."""
+    tensors["model.norm.weight"].fill_(1e30)
+    tensors["lm_head.weight"].fill_(1e30)
+
+
 def test_non_finite_logits_stop_the_run_naming_the_model(tmp_path):
-    """NaN weights, an infinite norm, rms_norm_eps -1.0: NaN logits would pick id 0 (an EOS)
+    """NaN weights, an infinite norm, a head that overflows: NaN logits would pick id 0 (an EOS)
     and end the run as if it were done. A weight read whole (in memory, into RAM, into a copy,
     into the target's own quantized copy as draft) is refused as it is read, naming it and the
     folder; one the ssd tier streams from the checkpoint is found by the logits it gives, and
     one line names the model that computes them."""
     good = Path(save_tiny(tmp_path / "good"))
-    nan, inf, eps = (shutil.copytree(good, tmp_path / name) for name in ("nan", "inf", "eps"))
+    nan, inf, big = (shutil.copytree(good, tmp_path / name) for name in ("nan", "inf", "big"))
     edit_tensors(nan, lambda t: t["model.layers.1.mlp.down_proj.weight"][0].fill_(float("nan")))
     edit_tensors(inf, lambda t: t["model.norm.weight"][3].fill_(float("inf")))
-    edit_json(eps / "config.json", rms_norm_eps=-1.0)
+    edit_tensors(big, overflowing_head)  # finite weights read whole, the logits not
     wide = save_tiny(tmp_path / "wide", hidden_size=64, intermediate_size=128)  # int4's groups
     wide_nan = shutil.copytree(wide, tmp_path / "wide_nan")
     edit_tensors(wide_nan, lambda t: t["model.layers.1.mlp.up_proj.weight"][5].fill_(math.nan))
@@ -732,7 +739,7 @@ def test_non_finite_logits_stop_the_run_naming_the_model(tmp_path):
         [
             (["--target", str(nan), "--draft", str(good), *run, "--offload", "ssd"], target),
             (
-                ["--target", str(good), "--draft", str(eps), *run, "--budget", "4"],
+                ["--target", str(good), "--draft", str(big), *run, "--budget", "4"],
                 "the draft model computes",
             ),  # a fixed budget: auto would not try so dear a draft
         ],

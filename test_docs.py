@@ -206,7 +206,7 @@ def test_the_root_states_the_brief_and_the_library_reads_one_way():
     body = ast.parse(step).body[0].body[1:]  # its code, after the docstring
     assert sum(code_lines_of(ast.get_source_segment(step, node)) for node in body) <= 20
     offload = (HERE / "offload.py").read_text().splitlines()
-    assert len(offload) <= 860  # (plain over short: defs for lambdas)
+    assert len(offload) <= 840  # (plain over short: defs for lambdas)
     first = next(
         i for i, line in enumerate(offload, 1) if re.match(r"class \w*(Ring|CausalLM)", line)
     )

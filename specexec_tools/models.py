@@ -141,13 +141,16 @@ def check_count(config, name: str, folder: Path) -> None:
 
 
 def check_numbers(fields: dict, folder: Path) -> None:
-    """Every number of config.json (nested ones too) finite: a NaN or inf epsilon makes every pass
-    NaN, found only once a run (and an ssd copy's conversion) got that far."""
+    """Every number of config.json (nested ones too) finite, and every norm's epsilon at least 0:
+    a NaN epsilon makes every pass NaN, and so does a negative one (the root of a variance below
+    it), found only once a run (and an ssd copy's conversion) got that far."""
     for name, value in fields.items():
         if isinstance(value, dict):
             check_numbers(value, folder)
         elif isinstance(value, float) and not math.isfinite(value):
             raise OffloadError(f"{folder}: config.json gives {name} {value}, not a finite number")
+        elif isinstance(value, float) and name.endswith(("_eps", "epsilon")) and value < 0:
+            raise OffloadError(f"{folder}: config.json gives {name} {value}, not an epsilon >= 0")
 
 
 def check_layer_count(config, checkpoint: Checkpoint, folder: Path) -> None:
