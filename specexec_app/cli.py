@@ -407,9 +407,11 @@ def why_plain(stats, offload=None):
     budget, max_depth = best
     tokens, passes = policy.gains[best]
     tree, plainly = apart(rates[best], rates[(0, 0)])
+    grown = count(max_depth, "draft pass")  # more tokens than that gives: lookup's branches too
+    grown += " and prompt lookup" if tokens > max_depth + 1 else ""
     said = (
         f"(auto decoded plainly in {plain} of {stats.steps} steps; its best tree, "
-        f"{count(budget, 'node')} {max_depth} deep, gives {tokens:.2f} tokens a target pass, "
+        f"{count(budget, 'node')} from {grown}, gives {tokens:.2f} tokens a target pass, "
         f"{tree} tokens/s against {plainly} plainly"
     )
     if rates[best] > rates[(0, 0)]:  # trees paid by the end: no cause against them
