@@ -18,6 +18,7 @@ import operator
 import os
 import random
 import re
+import signal
 import tempfile
 import threading
 import time
@@ -781,7 +782,18 @@ def count_wrong_passes(model, ids, want, interrupts: int, seed: int) -> int:
     """Ctrl-C (a KeyboardInterrupt in this thread, as SIGINT gives) by a timer at a random moment
     of a burst of passes, `interrupts` times; after each, one pass held against `want`, the
     in-memory model's logits. How many of those passes were wrong."""
-    rng, wrong = random.Random(seed), 0
+    rng = random.Random(seed)
+    # Ctrl-C as a terminal gives it: a process started in the background (`cmd &` in a script)
+    # inherits SIGINT ignored, and interrupt_main would then never interrupt the burst
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        return wrong_passes(model, ids, want, interrupts, rng)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def wrong_passes(model, ids, want, interrupts, rng):
+    wrong = 0
     started = time.perf_counter()
     model(ids)
     pass_s = time.perf_counter() - started
@@ -1680,7 +1692,6 @@ def test_loading_errors_are_one_line(checkpoints, tmp_path, case, message):
 def cli_state():
     """What a run of the CLI in this process sets for the process, given back after it: torch's
     threads, transformers' logging and progress bars, the Ctrl-C handler."""
-    import signal
 
     from transformers.utils import logging as transformers_logging
 
