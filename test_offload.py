@@ -395,11 +395,13 @@ def test_a_load_that_fails_behind_the_draft_is_one_error_and_the_pass_after_exac
     the draft works) is one OffloadError in the next pass, and the pass after equals the
     in-memory model's. The old forward read the link's idle time off that failed load before
     its pass began: it raised there, outside the pass's clean-up, and so in every later pass
-    (the read-failure test above failed so about half the time on a busy machine)."""
+    (the read-failure test above failed so about half the time on a busy machine). The reader
+    settles before the patch: a first pass's prefetch still reading would meet it instead."""
     folder, oracle = checkpoints["llama"]
     ids = torch.randint(97, (1, 7), generator=torch.Generator().manual_seed(9))
     with offload.from_pretrained(folder, mode="ram", device="cpu") as model:
         model(ids)
+        model.ring.reader.submit(lambda: None).result()  # its prefetch read before the patch
         load = model.ring.storage.load
         failed = []
         last_prefetched = model.ring.order[len(model.ring.slots) - 1]
