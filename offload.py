@@ -83,6 +83,7 @@ class OffloadedCausalLM(nn.Module):
         self.quantized = kind  # int8, int4 or None
         self.stats = PassStats(resident_layers=len(self.ring.resident))
         self.pass_costs = {}  # tokens -> (seconds, seconds not waiting for weights): time_passes
+        self.ended = None  # when the last pass ended, if it ran to its end: its prefetch began
 
     @property
     def pinned_bytes(self) -> int:
@@ -100,6 +101,8 @@ class OffloadedCausalLM(nn.Module):
         ops = self.ring.ops
         self.stats = PassStats(resident_layers=len(self.ring.resident))  # this pass's
         self.streamed.waits.clear()
+        since = self.ended  # the link has loaded this pass's first layers since
+        self.ended = None  # until this pass ends
         self.ring.start_pass()
         try:
             out = self.hf(input_ids.to(self.device), **kwargs)  # logits (batch, q, vocab)
@@ -116,6 +119,9 @@ class OffloadedCausalLM(nn.Module):
         self.stats.pass_s = time.perf_counter() - started
         self.stats.wait_s = sum(ops.seconds(*around) for _, *around in self.streamed.waits)
         self.stats.link_idle_s = self.ring.link_idle_s()
+        if since is not None:  # all the while, but when it idled
+            self.stats.ahead_s = max(0.0, started - since - self.stats.link_idle_s)
+        self.ended = time.perf_counter()
         return out
 
     def time_passes(self, most=128) -> None:
@@ -148,6 +154,7 @@ class PassStats:
     # seconds the link sat idle before the pass began: the next pass's first layers had landed
     # while the draft still grew its tree (0: loads ran all along, or nothing was loading)
     link_idle_s: float = 0.0
+    ahead_s: float = 0.0  # seconds the link loaded the pass's first layers before it began
 
     @property
     def gb_per_s(self) -> float:

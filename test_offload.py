@@ -1784,7 +1784,8 @@ def test_a_simulated_link_makes_each_pass_the_links_and_loads_behind_the_draft(c
     thread beside compute. A pass then costs the link's time whatever its tokens, the logits are
     the in-memory model's, and the next pass's first layers, one per slot, load while
     the host does other work (the draft growing its tree): after a pause, the pass is that many
-    layers shorter and the link's idle time is the rest of the pause."""
+    layers shorter, the link's idle time is the rest of the pause, and `ahead_s` the time it
+    loaded ahead (budget auto's: drafting that long adds nothing to a step)."""
     folder, oracle = checkpoints["llama"]
     with offload.from_pretrained(folder, mode="ram", dtype=oracle.dtype) as plain:
         layer_bytes = plain.layouts[0].nbytes
@@ -1801,11 +1802,16 @@ def test_a_simulated_link_makes_each_pass_the_links_and_loads_behind_the_draft(c
         model(ids)  # at once: its first layers were still loading
         back_to_back = time.perf_counter() - started
         assert back_to_back >= 0.9 * (n_layers - 1) * layer_s
+        assert model.stats.ahead_s < layer_s / 2  # nothing loaded ahead of it: it began at once
         time.sleep(4 * layer_s)  # the draft's turn: two layers, one per slot, load meanwhile
         started = time.perf_counter()
         model(ids)
         after_a_pause = time.perf_counter() - started
         assert after_a_pause <= (n_layers - 2 + 0.8) * layer_s  # the one layer not loaded yet
         assert layer_s <= model.stats.link_idle_s <= 3 * layer_s  # of the pause: 4 layers
+        assert 1.5 * layer_s <= model.stats.ahead_s <= 2.5 * layer_s  # it loaded 2 layers ahead
+        time.sleep(layer_s)  # a draft shorter than the loads ahead: the link never idles
+        model(ids)
+        assert model.stats.link_idle_s == 0 and layer_s <= model.stats.ahead_s <= 1.6 * layer_s
     with pytest.raises(offload.OffloadError, match="link_gb_per_s must be a positive speed"):
         offload.Cpu(link_gb_per_s=0)

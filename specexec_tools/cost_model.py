@@ -3,13 +3,16 @@ size and depth limit with the most tokens/s. `make_policy` gives a run the one i
 
 A step over the b best nodes no deeper than d (budget b, max_depth d) yields E[tokens](b, d) and
 costs d draft passes, one target pass over the tree and some bookkeeping; auto takes the b and d
+maximising
 
-    maximising  tokens/s = E[tokens](b, d) / (d * t_draft + t_target(b + 1) + t_other),
+    tokens/s = E[tokens](b, d) / (t_target(b + 1) + max(0, d * t_draft + t_other - t_ahead)),
 
-each term measured as the run goes: the loop (specexec.decode_loop) asks `choose` before each
-step and hands `update` what the step did (a specexec.Step). It knows nothing of models: a tree
-is anything with `tokens`, `parents`, `cum_logprob`, `depth` and `looked_up` (specexec.DraftTree);
-only `make_policy` reads the models' configs."""
+each term measured as the run goes. t_ahead is 0 but where the target streams its weights: there
+the link loads the next pass's first layers while the draft works (offload.py's ring), and the
+draft's work within that time adds nothing to the step. The loop (specexec.decode_loop) asks
+`choose` before each step and hands `update` what the step did (a specexec.Step). It knows nothing
+of models: a tree is anything with `tokens`, `parents`, `cum_logprob`, `depth` and `looked_up`
+(specexec.DraftTree); only `make_policy` reads the models' configs."""
 
 import math
 import weakref
@@ -130,9 +133,12 @@ class CostModel:
     target_s: dict = field(default_factory=dict)  # tokens fed -> seconds of a target pass
     # tokens fed -> seconds of it not spent waiting for weights (a streamed target's: its compute)
     busy_s: dict = field(default_factory=dict)
-    target: object = None  # a streamed target (offload.py): `stats.wait_s`, its last pass's wait
+    # a streamed target (offload.py): its last pass's `stats.wait_s` (for weights) and
+    # `stats.link_idle_s` (the link idle before the pass: the next pass's first layers had landed)
+    target: object = None
     draft_s: float | None = None  # seconds of one draft pass (the first tree's: the prompt too)
     other_s: float = 0.0  # seconds of the rest of a step
+    ahead_s: float = 0.0  # seconds of a step's work outside its target pass that the link hides
     step_s: dict = field(default_factory=dict)  # (budget, max_depth) run -> seconds of its steps
     time_scale: float = 1.0  # whole steps' seconds / their parts' (a running mean)
     # Per bin of an edge's draft log-probability (a child's, given its parent): children of
@@ -217,9 +223,11 @@ class CostModel:
         return seconds
 
     def from_parts(self, budget, passes):
-        """A step's seconds from its parts: `passes` draft passes (t_draft each: `draft_s`), one
-        target pass over the tree and its root, the rest of a step (t_other: `other_s`)."""
-        return (passes * self.draft_s if budget else 0.0) + self.t_target(budget + 1) + self.other_s
+        """A step's seconds from its parts: one target pass over the tree and its root, and what
+        of `passes` draft passes (t_draft each: `draft_s`) and the rest of a step (t_other:
+        `other_s`) outlasts the link's loads ahead of the pass (t_ahead: `ahead_s`)."""
+        outside = (passes * self.draft_s if budget else 0.0) + self.other_s
+        return self.t_target(budget + 1) + max(0.0, outside - self.ahead_s)
 
     def seconds(self, choice, passes):
         """A step's seconds: a (budget, max_depth) already run is charged what its steps took, as
@@ -300,10 +308,11 @@ class CostModel:
         """What a step (specexec.Step) of (budget, max_depth) cost; a tree step's draft pass, what
         it gave against its promise, and what the target picked at each node it reached."""
         choice = (step.budget, step.max_depth)
-        self.target_s[step.n_fed] = running_mean(self.target_s.get(step.n_fed), step.target_s)
-        if self.target is not None:  # the pass's seconds not waiting for weights
-            busy = step.target_s - self.target.stats.wait_s
-            self.busy_s[step.n_fed] = running_mean(self.busy_s.get(step.n_fed), busy)
+        target_s = step.target_s
+        if self.target is not None:  # a streamed target
+            self.learn_link(step)
+            target_s += self.target.stats.ahead_s  # the pass as if nothing had loaded ahead of it
+        self.target_s[step.n_fed] = running_mean(self.target_s.get(step.n_fed), target_s)
         if self.steps:  # not the first step, which reads the prompt too: no step's whole cost
             if step.budget:  # how far the parts fell short of the whole, as predicted
                 passes = self.gains.get(choice, (0, step.tree.draft_passes))[1]
@@ -327,6 +336,20 @@ class CostModel:
         self.draft_s = running_mean(old_draft_s, step.draft_s / max(1, step.tree.draft_passes))
         self.hold_to_promise(step)
         self.learn_gains(step)
+
+    def learn_link(self, step):
+        """A streamed target's pass: its seconds not waiting for weights (its compute: `busy_s`),
+        and how long its link loads ahead of a pass while the draft works (`ahead_s`). The
+        pass's `stats.ahead_s` are the seconds it loaded before this pass began: where it then
+        idled, all it had to load had landed, and that is how long it loads ahead; where it
+        never idled, at least that long."""
+        stats = self.target.stats
+        busy = step.target_s - stats.wait_s
+        self.busy_s[step.n_fed] = running_mean(self.busy_s.get(step.n_fed), busy)
+        if stats.link_idle_s > 0:
+            self.ahead_s = running_mean(self.ahead_s if self.ahead_s else None, stats.ahead_s)
+        else:
+            self.ahead_s = max(self.ahead_s, stats.ahead_s)
 
     def hold_to_promise(self, step):
         """A tree step's tokens and seconds, added to `given`; its promise, to `promised` (see
@@ -480,7 +503,8 @@ class CostModel:
         limit = min(budget, self.max_depth)
         deeper = [d for d in self.DEPTHS if max_depth < d < limit] + [limit] * (max_depth < limit)
         spare = self.seconds((budget, max_depth), passes) / self.LOOK_EVERY
-        cheap = [d for d in deeper if (d - max_depth) * self.draft_s <= spare]
+        added = {d: self.from_parts(budget, d) - self.from_parts(budget, passes) for d in deeper}
+        cheap = [d for d in deeper if added[d] <= spare]
         if cheap:
             return budget, cheap[-1]
         if deeper and self.tree_steps % self.DEEPEN_EVERY == 0:
