@@ -125,15 +125,18 @@ class DraftTree:
         logprobs = torch.log_softmax(logits.float() / temperature, -1)  # (len(nodes), vocab)
         self.draft_passes += 1
         top = torch.topk(logprobs, min(branch, logprobs.shape[-1]))  # (len(nodes), branch) each
-        # A node that cannot enter the best nodes never will (they only get better), nor will its
-        # children (they rank below it): it is no candidate either. Once there are `budget`, one
-        # at or below the worst of them is out at once (a tie: the earlier node ranks higher).
-        worst = self.best_nodes[0][0][0] if len(self.best_nodes) == self.budget else -math.inf
         for node, values, tokens in zip(nodes, top.values.tolist(), top.indices.tolist()):
             for logprob, token in zip(values, tokens):
                 child = self.add_child(node, token, logprob)
-                if self.cum_logprob[child] > worst and self.admit(child) != child:
+                if self.may_enter(child):  # else no candidate either: nor will its children be
+                    self.admit(child)
                     heapq.heappush(self.candidates, (self.rank(child), child))
+
+    def may_enter(self, node):
+        """Whether `node` may be a best node: any while there are fewer than `budget`, then one
+        ranked above the worst (they only get better: one that cannot enter never will)."""
+        full = len(self.best_nodes) == self.budget
+        return not full or self.rank(node) < self.rank(self.best_nodes[0][-1])
 
     def admit(self, node):
         """Put `node` among the best nodes, pushing out the worst once there are `budget`;
@@ -145,12 +148,9 @@ class DraftTree:
         return heapq.heappushpop(self.best_nodes, entry)[-1]
 
     def pop_candidates(self, width):
-        """Up to `width` candidates, best first, that may still give a best node: once there are
-        `budget` best nodes, one below the worst of them never will, nor will its children."""
-        full = len(self.best_nodes) == self.budget  # else any candidate may give a best node
-        worst = self.rank(self.best_nodes[0][-1]) if full else (math.inf,)
+        """Up to `width` candidates, best first, that may still give a best node."""
         batch = []
-        while self.candidates and len(batch) < width and self.candidates[0][0] < worst:
+        while self.candidates and len(batch) < width and self.may_enter(self.candidates[0][-1]):
             batch.append(heapq.heappop(self.candidates)[-1])
         return batch
 
