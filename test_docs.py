@@ -214,9 +214,12 @@ def test_the_root_states_the_brief_and_the_library_reads_one_way():
     serve = HERE / "specexec_app" / "serve.py"  # issue 62's --serve: a budget of its own (200
     # before issue 60 wrote its 16 tuple assignments one value a line: 213)
     assert code_lines(serve) <= 215
+    # issue 60's goal for the command line is 250; 429 with every behaviour and message kept
+    assert code_lines(HERE / "specexec_app" / "cli.py") <= 435
     # 2,807 after issue 60's command line (flags from the dataclasses' comments, one device
-    # parser, exit statuses in one place; plain lines for golf): a ceiling with some room
-    assert sum(code_lines(path) for path in files if path != serve) <= 2850
+    # parser, exit statuses in one place; plain lines for golf), 7 fewer in cli.py since: a
+    # ceiling with some room
+    assert sum(code_lines(path) for path in files if path != serve) <= 2843
 
 
 # ---- plain over short ----

@@ -17,6 +17,7 @@ import shutil
 import signal
 import sys
 from collections import Counter
+from contextlib import ExitStack
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Literal, get_args, get_origin
@@ -65,6 +66,15 @@ def count_or_auto(text):
         return text if text == "auto" else int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor auto") from None
+
+
+# How a flag of each type reads its value, and what --help calls that value
+READS = {
+    bool: dict(action="store_true"),
+    int: dict(type=int, metavar="N"),
+    float: dict(type=finite, metavar="X"),
+    int | str: dict(type=count_or_auto, metavar="N|auto"),  # the budget
+}
 
 
 @dataclass
@@ -120,32 +130,19 @@ def helps(config):
 
 
 def add_flags(group, config):
-    """A flag for each field of the dataclass `config`: --its-name, read as its type reads, with
-    its default and help."""
+    """A flag for each field of the dataclass `config`: --its-name, read as its type reads (`X |
+    None` as X; READS), with its default and help."""
     texts = helps(config)
     for f in fields(config):
+        kind = get_args(f.type)[0] if type(None) in get_args(f.type) else f.type
         text = texts[f.name]
-        if "default" not in text and f.type is not bool:
+        if "default" not in text and kind is not bool:
             text += " (default: %(default)s)"
+        reads = READS.get(kind, dict(type=kind))  # str, Path: read as themselves
+        if get_origin(kind) is Literal:
+            reads = dict(choices=get_args(kind))
         flag = "--" + f.name.replace("_", "-")
-        group.add_argument(flag, default=f.default, help=text, **reads(f.type))
-
-
-def reads(kind):
-    """add_argument's keywords for a flag of the type `kind` (of `X | None`, as X)."""
-    if kind is bool:
-        return dict(action="store_true")
-    if kind == int | str:
-        return dict(type=count_or_auto, metavar="N|auto")
-    if type(None) in get_args(kind):
-        kind = get_args(kind)[0]
-    if get_origin(kind) is Literal:
-        return dict(choices=get_args(kind))
-    if kind is float:
-        return dict(type=finite, metavar="X")
-    if kind is int:
-        return dict(type=int, metavar="N")
-    return dict(type=kind)  # str, Path
+        group.add_argument(flag, default=f.default, help=text, **reads)
 
 
 def parse_args(argv=None):
@@ -156,9 +153,8 @@ def parse_args(argv=None):
     )
     add_flags(parser.add_argument_group("model, device and output"), Flags)
     add_flags(parser.add_argument_group("generation (specexec.Options)"), specexec.Options)
+    parser.set_defaults(api_key=os.environ.get("SPECEXEC_API_KEY"))  # now, not at import
     args = parser.parse_args(argv)
-    if args.api_key is None:  # read now, not when this module was imported
-        args.api_key = os.environ.get("SPECEXEC_API_KEY")
     options = {f.name: getattr(args, f.name) for f in fields(specexec.Options)}
     args.opts = specexec.Options(**options)  # checked as it is made
     check_flags(args)
@@ -304,11 +300,10 @@ def run(args):
     largest = CostModel.BUDGETS[-1] if opts.budget == "auto" else opts.budget
     # the KV cache's length; a conversation's (--chat, --serve) is not known
     context = None if args.chat or args.serve else len(seq) + opts.max_new_tokens + largest + 1
-    loaded = [None, None]  # (target, draft) once loaded; the draft stays None with --draft none
-    try:
+    with ExitStack() as closing:  # an offloaded model gives back its files, thread and memory
         if args.offload:
             memory = None if args.device_memory is None else args.device_memory * 1e9
-            loaded[0] = offload.from_pretrained(
+            target_model = offload.from_pretrained(
                 target,
                 mode=args.offload,
                 device=offload.Cpu(args.link) if args.link else device,
@@ -318,25 +313,23 @@ def run(args):
                 device_memory=memory,
                 context=context,
             )
+            closing.callback(tell_converted_copy, target_model, args.offload_clean)  # once closed
+            closing.enter_context(target_model)
         else:
-            loaded[0] = models.load(target, device, dtype)
+            target_model = models.load(target, device, dtype)
+        draft_model = None  # with --draft none
         if args.self_draft:
-            loaded[1] = offload.self_draft(target, args.draft, device=device, dtype=dtype)
+            draft_model = offload.self_draft(target, args.draft, device=device, dtype=dtype)
+            closing.enter_context(draft_model)
         elif draft is not None:
-            loaded[1] = models.load(draft, device, dtype)
+            draft_model = models.load(draft, device, dtype)
         if args.chat:
-            session = chat.Chat(*loaded, opts)  # the caches kept from turn to turn
+            session = chat.Chat(target_model, draft_model, opts)  # caches kept from turn to turn
             chat.talk(session, tokenizer, target.folder, args, list(eos), Streamer, dim, summary)
         elif args.serve:
-            serve.serve(chat.Chat(*loaded, opts), tokenizer, args, eos)
+            serve.serve(chat.Chat(target_model, draft_model, opts), tokenizer, args, eos)
         else:
-            report(*loaded, tokenizer, seq, eos, args, device)
-    finally:
-        for model in loaded:  # an offloaded one gives back its files, thread and pinned memory
-            if hasattr(model, "close"):
-                model.close()
-        if args.offload and loaded[0]:
-            tell_converted_copy(loaded[0], args.offload_clean)
+            report(target_model, draft_model, tokenizer, seq, eos, args, device)
 
 
 def report(target, draft, tokenizer, seq, eos, args, device):
