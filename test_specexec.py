@@ -499,6 +499,21 @@ def test_cost_model_lines_through_the_sizes_it_ran():
     assert cost.t_target(5) == 2.0 and cost.t_target(3) == pytest.approx(1.5)  # as 9 tokens
 
 
+def test_a_streamed_pass_between_two_sizes_costs_the_link_until_its_compute_outlasts_it():
+    """A streamed target (its compute known at each size: `busy_s`): between two sizes, a pass
+    costs the longer of the smaller size's pass and the compute on the line between the two
+    sizes' computes. On the line between the passes themselves, the first step's pass over the
+    prompt and a 2,048-node tree (3.5 s of compute) made a tree of 1,024 cost 2.46 s against
+    2.0 s, and auto never tried it (on the simulated link, 11-29)."""
+    cost = CostModel(max_depth=32, target_s={1: 2.0, 513: 2.0, 2193: 3.5})
+    cost.busy_s = {1: 0.001, 513: 0.4, 2193: 3.5}
+    assert cost.t_target(1025) == pytest.approx(2.0)  # compute there: 1.34 s, under the link's
+    assert cost.t_target(2000) == pytest.approx(0.4 + 3.1 * 1487 / 1680)  # the compute's
+    assert cost.t_target(257) == pytest.approx(2.0)
+    cost.busy_s = {}  # in memory: the line between the passes
+    assert cost.t_target(1025) == pytest.approx(2.0 + 1.5 * 512 / 1680)
+
+
 @pytest.mark.parametrize(
     "target_s, draft_s, chosen",
     [

@@ -156,7 +156,7 @@ class CostModel:
     given: tuple = (0.0, 0.0)
     promised: tuple = (0.0, 0.0)
     promise: tuple | None = None  # this step's (tokens, seconds), if a tree's predicted ones
-    curve: tuple = field(default=(), init=False, repr=False)  # t_target's memo, and its target_s
+    curve: tuple = field(default=(), init=False, repr=False)  # t_target's memo, and what it read
 
     # The tree sizes auto considers, 1 .. 2048, doubling: a tree gives about one token more each
     # time it doubles (first_tree), so sizes between would add candidates, not tokens
@@ -188,20 +188,22 @@ class CostModel:
     def t_target(self, n):
         """Seconds of a target pass over n tokens, measured at each size run (the first pass too:
         it reads the prompt, a pass over many tokens, which bounds what big trees cost): between
-        two sizes run, on the line between them; outside, on the line through the nearest two
-        (never below the nearest), or past the largest size of a streamed target, the longer of
-        that pass and its compute grown in proportion to the tokens (`busy_s`: a link's time
-        does not grow, compute does). A pass never costs more than a bigger one: a size
+        two sizes run, on the line between them (a streamed target's: the longer of the smaller
+        size's pass and the compute on the line between theirs); outside, on the line through the
+        nearest two (never below the nearest), or past the largest size of a streamed target, the
+        longer of that pass and its compute grown in proportion to the tokens (`busy_s`: a link's
+        time does not grow, compute does). A pass never costs more than a bigger one: a size
         measured in a busy moment counts as the cheapest bigger size, so that one slow pass
         cannot rule its size out for good.
 
         The sizes run, ascending, the cheapest pass at each size or above, and the answers so far
         are remembered until a pass is measured: `rates` asks for every candidate at every step,
         and auto's own time is time plain decoding does not spend."""
-        if not self.curve or self.curve[3] != self.target_s:
+        measured = (self.target_s, self.busy_s)
+        if not self.curve or self.curve[3] != measured:
             sizes = sorted(self.target_s)  # the cheapest: a running minimum from the largest down
             cheapest = [*accumulate((self.target_s[size] for size in reversed(sizes)), min)][::-1]
-            self.curve = (sizes, cheapest, {}, dict(self.target_s))
+            self.curve = (sizes, cheapest, {}, (dict(self.target_s), dict(self.busy_s)))
         sizes, cheapest, known, _ = self.curve
         if n in known:
             return known[n]
@@ -219,6 +221,13 @@ class CostModel:
             (n0, t0), (n1, t1) = zip(sizes[i - 1 : i + 1], cheapest[i - 1 : i + 1])
             seconds = t0 + (t1 - t0) / (n1 - n0) * (n - n0)
             seconds = max(seconds, t1) if n > n1 else max(seconds, 0.0)
+            if n0 < n < n1 and n0 in self.busy_s and n1 in self.busy_s:
+                # A streamed pass between two sizes: the longer of the smaller size's pass (the
+                # link's time does not grow) and its compute, on the line between the two sizes'.
+                # The line between the passes themselves would charge a tree the compute of the
+                # prompt's first pass (thousands of tokens) long before it outlasts the link
+                b0, b1 = self.busy_s[n0], self.busy_s[n1]
+                seconds = min(seconds, max(t0, b0 + (b1 - b0) / (n1 - n0) * (n - n0)))
         known[n] = seconds
         return seconds
 
