@@ -465,9 +465,8 @@ def speculative_step(run, seq, budget, max_depth):
         path, bonus = accept(tree, nodes, logits, run.opts, run.rng)
     run.lookup.count_taken(tree, proposed, path)
 
-    # Both caches hold `seq`, then the verified nodes (target) or the expanded ones (draft): keep
-    # `seq` and the path; the bonus, the next root, is in neither. Path nodes the draft never ran
-    # (leaves, lookup's) join its next trunk.
+    # Both caches hold `seq`, then the verified (target) or expanded (draft) nodes: keep `seq` and
+    # the path; the bonus is in neither, and path nodes the draft never ran join its next trunk.
     keep_path(run.target_cache, nodes, path)
     assert run.target_cache.get_seq_length() == len(seq) + len(path)  # the new seq but its last
     if run.draft is not None and budget:  # the draft's: `seq`, then the path's expanded nodes
@@ -515,7 +514,8 @@ def decode_loop(run, seq, policy, eos, on_tokens=None):
     end = min(n_prompt + run.opts.max_new_tokens, run.limit)
     start = time.perf_counter()
     while len(seq) < end:
-        budget, max_depth = policy.choose(end - len(seq))  # tokens still to come
+        trunk = len(seq) - run.target_cache.get_seq_length()  # what the target's pass reads first
+        budget, max_depth = policy.choose(end - len(seq), trunk)  # and tokens still to come
         step = speculative_step(run, seq, budget, max_depth)
         policy.update(step)
         # Cut at the token limit or the context's end, and just after the first EOS.

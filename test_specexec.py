@@ -1751,14 +1751,20 @@ def timed_passes(link_s, compute_s):
 
 
 @pytest.mark.parametrize(
-    "link_s, compute_s, first",
+    "link_s, compute_s, first, after_a_long_prompt",
     [
-        (2.0, 0.0005, (2048, 32)),  # a 2,049-token pass still costs the link's: the biggest tree
-        (2.0, 0.0015, (1024, 32)),  # past 1,024 tokens the compute outlasts the link: stop there
-        (1.0, 0.02, (32, 32)),  # compute-bound past 50 tokens (a CPU, a fast disk): a small tree
+        # a 2,049-token pass still costs the link's: the biggest tree (after 1,000 tokens too)
+        (2.0, 0.0005, (2048, 32), (2048, 32)),
+        # past 1,024 tokens the compute outlasts the link: stop there (after 1,000: at 256)
+        (2.0, 0.0015, (1024, 32), (256, 32)),
+        # compute-bound past 50 tokens (a CPU, a fast disk): a small tree (a prompt's compute
+        # dwarfs a tree's: a bigger one)
+        (1.0, 0.02, (32, 32), (256, 32)),
     ],
 )
-def test_auto_sizes_its_first_tree_for_two_passes_it_timed(link_s, compute_s, first):
+def test_auto_sizes_its_first_tree_for_two_passes_it_timed(
+    link_s, compute_s, first, after_a_long_prompt
+):
     """Where the target streams, auto has it time two passes (once per model) and sizes its first
     tree for them, searched twice the fixed budgets' depth (a draft pass is cheap beside such a
     pass): the paper's regime gets its big deep tree from the first prompt's first step."""
@@ -1775,6 +1781,8 @@ def test_auto_sizes_its_first_tree_for_two_passes_it_timed(link_s, compute_s, fi
     assert target.timed == 1 and policy.max_depth == 32 and policy.choose() == first
     # past the largest size timed, a pass costs the longer of the link's and its compute
     assert policy.t_target(4097) == pytest.approx(max(link_s, compute_s * 128, compute_s * 4097))
+    # the first pass reads the prompt before the tree: a long one leaves room for a smaller tree
+    assert policy.first_tree(trunk=1000) == after_a_long_prompt
     # and what auto learns stays with the pair: the next generate's policy is the same one
     assert cost_model.make_policy(specexec.Options(max_depth=16), target, target) is policy
     assert target.timed == 1

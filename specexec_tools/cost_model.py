@@ -29,7 +29,7 @@ class FixedBudget:
     max_depth: int
     why: str = ""  # for the summary: why a run with a draft decodes plainly
 
-    def choose(self, left=None):  # left: tokens still to come (auto's looks heed them)
+    def choose(self, left=None, trunk=1):  # as auto's (which heeds them)
         return self.budget, self.max_depth
 
     def update(self, step):
@@ -412,23 +412,24 @@ class CostModel:
                 rates[(b, d)] = scale * gain / self.seconds((b, d), passes)
         return rates
 
-    def choose(self, left=math.inf):
-        """This step's (budget, max_depth), `left` tokens still to come; a tree's predicted (tokens,
-        seconds) kept as its promise."""
-        choice = self.decide(left)
+    def choose(self, left=math.inf, trunk=1):
+        """This step's (budget, max_depth), `left` tokens still to come, the target's pass to read
+        `trunk` tokens before the tree (the root; at the first step, the prompt); a tree's
+        predicted (tokens, seconds) kept as its promise."""
+        choice = self.decide(left, trunk)
         self.promise = None
         if choice in self.gains:  # a tree whose gains were seen (plain decoding's never are)
             gain, passes = self.gains[choice]
             self.promise = (gain, self.seconds(choice, passes))
         return choice
 
-    def decide(self, left):
+    def decide(self, left, trunk):
         """The (budget, max_depth) with the most tokens/s predicted; before any tree, the first;
         where plain decoding is best, now and then a look at the draft; a deeper search while the
         best nodes reach the depth limit."""
         if not self.gains or self.draft_s is None:  # no tree yet
             if self.target_s and not self.steps:  # passes timed at load: the first tree fits them
-                return self.first_tree()
+                return self.first_tree(trunk)
             return self.first_look(left)
         # The second size. After the first step one size is measured: the prompt's pass with the
         # first tree. Where the target streams its weights, a pass costs their transfer, more
@@ -448,7 +449,7 @@ class CostModel:
             return best
         return self.deepen(*best)
 
-    def first_tree(self):
+    def first_tree(self, trunk=1):
         """The first tree where passes were timed before it: an offloaded target (offload.py)
         times a pass over 128 tokens and one over one when auto first meets it (the CLI: as it
         loads), with the seconds of each not spent waiting for weights (its compute), and auto
@@ -457,8 +458,8 @@ class CostModel:
         trees give about that), searched as deep as it may go: beside a streamed target's pass,
         a draft pass is cheap. Where the pass is the link's, whatever its size (the paper's
         regime), that is the biggest, deepest tree; where its compute grows with the tree, a
-        small one."""
-        guess = {b: (1 + math.log2(b + 1)) / self.t_target(b + 1) for b in self.BUDGETS}
+        small one. The pass reads the `trunk` first (the prompt): a long prompt, a smaller tree."""
+        guess = {b: (1 + math.log2(b + 1)) / self.t_target(trunk + b) for b in self.BUDGETS}
         budget = max(guess, key=guess.get)
         return budget, min(budget, self.max_depth)
 
