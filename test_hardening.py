@@ -36,6 +36,7 @@ from test_cli import (
     close_the_fork_servers,  # noqa: F401  (closed at the session's end)
     edit_json,
     save_tiny,
+    start_cli,
 )
 
 needs_pair = pytest.mark.skipif(
@@ -212,12 +213,7 @@ class Live:
     its output read as it comes, signals sent between."""
 
     def __init__(self, *argv):
-        self.process = subprocess.Popen(
-            [sys.executable, str(HERE / "specexec.py"), "--chat", *argv], cwd=HERE,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=clean_env(PYTHONUNBUFFERED="1"),
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-        )  # fmt: skip
+        self.process = start_cli("--chat", *argv)  # forked, as test_cli's live runs
         self.out = b""
 
     def send(self, line: bytes):
