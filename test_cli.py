@@ -43,9 +43,10 @@ needs_pair = pytest.mark.skipif(
 
 def clean_env(**changes):
     """os.environ without the user's Hugging Face settings (HF_HUB_OFFLINE and friends), which
-    would change what a hub id does, plus `changes`; one thread per run."""
-    hub = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_")
-    env = {name: value for name, value in os.environ.items() if not name.startswith(hub)}
+    would change what a hub id does, nor the command line's own (SPECEXEC_API_KEY), plus
+    `changes`; one thread per run."""
+    user = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "SPECEXEC_")
+    env = {name: value for name, value in os.environ.items() if not name.startswith(user)}
     return {**env, "OMP_NUM_THREADS": "1", **changes}
 
 
@@ -267,6 +268,9 @@ class ForkedProcess:
     def send_signal(self, signum):
         if self.poll() is None:
             os.kill(self.pid, signum)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
 
     def communicate(self, timeout=None):
         """Closes its standard input, reads both outputs to their ends; (stdout, stderr)."""
