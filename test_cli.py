@@ -174,6 +174,7 @@ class ForkServer:
         os.close(requests), os.close(replies), startup.close()
         self.requests, self.replies = os.fdopen(self.requests, "wb"), os.fdopen(self.replies, "rb")
         self.count, self.one_batch_at_a_time = 0, threading.Lock()
+        self.live = []  # the ForkedProcesses started
         assert self.receive(timeout=600) == "ready"
         self.startup = (self.folder / "startup").read_bytes()
 
@@ -212,7 +213,11 @@ class ForkServer:
         ]
 
     def send(self, batch, timeout):
-        """Runs a batch of FORK_SERVER's runs; their exit statuses once all have ended."""
+        """Runs a batch of FORK_SERVER's runs; their exit statuses once all have ended. A live
+        run still going holds the server: left by a test that failed part-way, it is killed."""
+        for process in self.live:
+            process.kill()
+        self.live.clear()
         with self.one_batch_at_a_time:
             pickle.dump(batch, self.requests)
             self.requests.flush()
@@ -254,6 +259,7 @@ class ForkedProcess:
         self.stdin = open_writing(paths[0], self.status)
         self.pid = int(paths[3].read_text())
         self.returncode = None
+        server.live.append(self)
 
     def poll(self):
         if self.status.done():

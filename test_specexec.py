@@ -1555,7 +1555,10 @@ def repetitive(draw_list, repeats):
     return (draw_list * repeats)[:40]
 
 
-@settings(max_examples=20, **SETTINGS)
+# 12 examples: greedy exactness with lookup on at its default (32) beside a draft is held by
+# test_greedy_specexec_equals_greedy_target's 25 too; these add prompts that repeat, small
+# lookups and lookup alone
+@settings(max_examples=12, **SETTINGS)
 @given(
     family=st.sampled_from(FAMILIES),
     seed=st.integers(0, 3),
