@@ -1,8 +1,8 @@
 """Tests for cli.py, run as a user runs it: `python specexec.py ...` in a process of its own, so
 that the exit status, stderr and stray log lines are what a user would see. Most runs are forked
 from a process that has imported torch and transformers already (FORK_SERVER, one for the
-session); those whose interpreter start-up is under test, or that signal a live process, start
-one of their own.
+session), live ones too (read as they write, signalled: ForkedProcess); those whose interpreter
+start-up is under test start one of their own.
 
 The promise under test: every bad input is one line `error: ...` on stderr, exit status 2, no
 traceback, nothing written; Ctrl-C exits with 130 and a closed pipe quietly.
@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import types
 from concurrent.futures import ThreadPoolExecutor
@@ -42,9 +43,10 @@ needs_pair = pytest.mark.skipif(
 
 def clean_env(**changes):
     """os.environ without the user's Hugging Face settings (HF_HUB_OFFLINE and friends), which
-    would change what a hub id does, plus `changes`; one thread per run."""
-    hub = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_")
-    env = {name: value for name, value in os.environ.items() if not name.startswith(hub)}
+    would change what a hub id does, nor the command line's own (SPECEXEC_API_KEY), plus
+    `changes`; one thread per run."""
+    user = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "SPECEXEC_")
+    env = {name: value for name, value in os.environ.items() if not name.startswith(user)}
     return {**env, "OMP_NUM_THREADS": "1", **changes}
 
 
@@ -55,11 +57,12 @@ SCRIPT = HERE / "specexec.py"
 # argv and file descriptors 0, 1, 2: each run is still a process of its own, whose exit status,
 # whatever reaches its stderr (tracebacks, log lines, warnings) and interpreter exit are a user's.
 # A run of another copy of the modules (installed alone) imports that copy's, torch still loaded.
+# A live run's descriptors are named pipes, its output unbuffered (ForkedProcess).
 # Runs that need a fresh interpreter (an environment read at start-up, a function before exec
 # that a whole server cannot run under, a stdout that is no file) start one; those that drop
 # root's file access are forked from a server started so.
 FORK_SERVER = r"""
-import atexit, gc, os, pickle, runpy, signal, sys, threading
+import atexit, gc, io, os, pickle, runpy, signal, sys, threading
 
 import torch, transformers, safetensors.torch, tokenizers, tqdm  # what every run imports
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -69,11 +72,15 @@ from specexec_app import chat, cli
 from specexec_tools import checkpoint, cost_model, models, quantize
 
 gc.freeze()  # the children's collections leave the imported objects (and their pages) alone
+# Ctrl-C raises KeyboardInterrupt, as in a Python started with SIGINT at its default (a suite
+# started in the background hands its processes SIGINT ignored, which Python would keep)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def serve(requests, replies, parallel):
-    # Batches of runs [(argv, cwd, stdin, stdout, stderr paths)] -> their exit statuses; in a
-    # child this returns its argv, its descriptors in place.
+    # Batches of runs [(argv, cwd, live, stdin, stdout, stderr paths)] -> their exit statuses; in
+    # a child this returns its argv, its descriptors in place. live: None, or (a file for the
+    # child's pid, what importing wrote) for a run whose paths are pipes (ForkedProcess).
     while True:
         try:
             batch = pickle.load(requests)
@@ -87,9 +94,19 @@ def serve(requests, replies, parallel):
             pid = os.fork()
             if pid == 0:
                 requests.close(), replies.close()
-                argv, cwd, *paths = run
-                for fd, path in enumerate(paths):  # stdin, stdout, stderr
-                    os.dup2(os.open(path, os.O_RDONLY if fd == 0 else os.O_WRONLY), fd)
+                argv, cwd, live, *paths = run
+                if live:
+                    with open(live[0], "w") as pid:
+                        pid.write(str(os.getpid()))
+                for fd in (1, 2, 0):  # stdout, stderr, stdin: a live run's pipes open so
+                    os.dup2(os.open(paths[fd], os.O_RDONLY if fd == 0 else os.O_WRONLY), fd)
+                if live:  # as PYTHONUNBUFFERED=1 starts Python: each write reaches the pipe
+                    os.write(2, live[1])
+                    for fd, name in ((1, "stdout"), (2, "stderr")):
+                        text, raw = getattr(sys, name), io.FileIO(fd, "w", closefd=False)
+                        unbuffered = io.TextIOWrapper(raw, text.encoding, text.errors)
+                        unbuffered.reconfigure(write_through=True)
+                        setattr(sys, name, unbuffered)
                 os.chdir(cwd)
                 return argv
             running[pid] = i
@@ -141,7 +158,7 @@ os._exit(status)
 
 class ForkServer:
     """FORK_SERVER, started once (under `preexec_fn`, if any: its runs are so too); `run` runs a
-    batch of `python specexec.py` runs through it."""
+    batch of `python specexec.py` runs through it, `send` any batch (one at a time)."""
 
     def __init__(self, preexec_fn=None):
         self.folder = Path(tempfile.mkdtemp(prefix="specexec-runs-"))
@@ -156,7 +173,8 @@ class ForkServer:
         )  # fmt: skip
         os.close(requests), os.close(replies), startup.close()
         self.requests, self.replies = os.fdopen(self.requests, "wb"), os.fdopen(self.replies, "rb")
-        self.count = 0
+        self.count, self.one_batch_at_a_time = 0, threading.Lock()
+        self.live = []  # the ForkedProcesses started
         assert self.receive(timeout=600) == "ready"
         self.startup = (self.folder / "startup").read_bytes()
 
@@ -180,11 +198,10 @@ class ForkServer:
             stdout.touch(), stderr.touch()
             script = options.get("script", SCRIPT)
             argv = [str(script), *map(os.fsdecode, argv)]  # sys.argv, as Python decodes bytes
-            batch.append((argv, str(script.parent), str(stdin), output or str(stdout), str(stderr)))
+            paths = (str(stdin), output or str(stdout), str(stderr))
+            batch.append((argv, str(script.parent), None, *paths))
             files.append((argv[1:], None if output else stdout, stderr))
-        pickle.dump(batch, self.requests)
-        self.requests.flush()
-        statuses = self.receive(timeout * len(cases))
+        statuses = self.send(batch, timeout * len(cases))
         return [
             subprocess.CompletedProcess(
                 argv,
@@ -195,6 +212,17 @@ class ForkServer:
             for (argv, out, err), status in zip(files, statuses)
         ]
 
+    def send(self, batch, timeout):
+        """Runs a batch of FORK_SERVER's runs; their exit statuses once all have ended. A live
+        run still going holds the server: left by a test that failed part-way, it is killed."""
+        for process in self.live:
+            process.kill()
+        self.live.clear()
+        with self.one_batch_at_a_time:
+            pickle.dump(batch, self.requests)
+            self.requests.flush()
+            return self.receive(timeout)
+
     def close(self):
         self.requests.close()
         try:
@@ -204,6 +232,84 @@ class ForkServer:
             self.process.wait()
         self.replies.close()
         shutil.rmtree(self.folder)
+
+
+class ForkedProcess:
+    """A forked run of `python specexec.py ARGV` that runs while the test reads its output as it
+    comes, writes to it and signals it: what subprocess.Popen(stdin=PIPE, stdout=PIPE,
+    stderr=PIPE) of `python specexec.py` gives under PYTHONUNBUFFERED=1 (pid, pipes in bytes,
+    poll, wait, communicate, send_signal)."""
+
+    def __init__(self, server, argv, timeout=300):
+        folder = Path(tempfile.mkdtemp(dir=server.folder))
+        paths = [folder / name for name in ("in", "out", "err", "pid")]
+        for path in paths[:3]:
+            os.mkfifo(path)
+        # the ends this side reads open first (at once), so that the child's writing ends open
+        # at once; its standard input opens last: once this side has it, the child has all three
+        self.stdout, self.stderr = (open_reading(path) for path in paths[1:3])
+        run = (
+            [str(SCRIPT), *argv],
+            str(HERE),
+            (str(paths[3]), server.startup),
+            *map(str, paths[:3]),
+        )
+        self.waiting = ThreadPoolExecutor(max_workers=1)  # for its exit status
+        self.status = self.waiting.submit(server.send, [run], timeout)
+        self.stdin = open_writing(paths[0], self.status)
+        self.pid = int(paths[3].read_text())
+        self.returncode = None
+        server.live.append(self)
+
+    def poll(self):
+        if self.status.done():
+            self.returncode = self.status.result()[0]
+        return self.returncode
+
+    def wait(self, timeout=None):
+        self.returncode = self.status.result(timeout)[0]
+        self.waiting.shutdown()
+        return self.returncode
+
+    def send_signal(self, signum):
+        if self.poll() is None:
+            os.kill(self.pid, signum)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout=None):
+        """Closes its standard input, reads both outputs to their ends; (stdout, stderr)."""
+        self.stdin.close()
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            out = pool.submit(self.stdout.read)
+            err = self.stderr.read()
+            out = out.result()
+        self.wait(timeout)
+        self.stdout.close(), self.stderr.close()
+        return out, err
+
+
+def open_reading(fifo):
+    """The reading end of a named pipe, opened before any writer has."""
+    fd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def open_writing(fifo, status):
+    """The writing end of a named pipe, once its reader (a forked run) has opened it."""
+    while True:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # no reader yet: ENXIO
+        except OSError:
+            if status.done():  # the run ended before it opened its standard input
+                status.result()  # the server's error, if any
+                raise RuntimeError(f"the forked run never opened {fifo}")
+            time.sleep(0.002)
+            continue
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "wb")
 
 
 def as_text(data):
@@ -234,6 +340,13 @@ def forked(options):
     return plain and set(options) <= {"env", "input", "script", "timeout", "preexec_fn"} | to_file
 
 
+def fork_server(preexec_fn=None):
+    """The fork server started under `preexec_fn`, started by its first run."""
+    if preexec_fn not in servers:
+        servers[preexec_fn] = ForkServer(preexec_fn)
+    return servers[preexec_fn]
+
+
 def cli_run(*argv, env=None, timeout=300, script=SCRIPT, **options):
     """`python specexec.py ARGV` in a process of its own; returns the CompletedProcess. The
     timeout only catches a hang; `options` go to subprocess.run (stdout=, preexec_fn=)."""
@@ -251,10 +364,8 @@ def cli_run_all(cases):
         ]
         for setup in {cases[i][1].get("preexec_fn") for i in fork}:
             group = [i for i in fork if cases[i][1].get("preexec_fn") is setup]
-            if setup not in servers:
-                servers[setup] = ForkServer(setup)
             timeout = max(cases[i][1].get("timeout", 300) for i in group)
-            for i, result in zip(group, servers[setup].run([cases[i] for i in group], timeout)):
+            for i, result in zip(group, fork_server(setup).run([cases[i] for i in group], timeout)):
                 results[i] = result
         return [r if i in fork else r.result() for i, r in enumerate(results)]
 
@@ -966,7 +1077,15 @@ def test_output_that_cannot_be_written_fails_in_one_line(tmp_path):
 def test_ctrl_c_while_importing_exits_130_quietly(tmp_path):
     """The first seconds go to `import torch`; Ctrl-C there is no traceback either."""
     good = save_tiny(tmp_path / "good")
-    process = start_cli("--target", good, "--draft", good, "--prompt", "w1")
+    reset_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
+    process = subprocess.Popen(  # a fresh interpreter: its start-up is what this tests
+        [sys.executable, str(SCRIPT), "--target", good, "--draft", good, "--prompt", "w1"],
+        env=clean_env(),
+        cwd=HERE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        preexec_fn=reset_sigint,
+    )
     maps = Path(f"/proc/{process.pid}/maps")
     while process.poll() is None and "libtorch" not in maps.read_text():  # torch is loading
         time.sleep(0.002)
@@ -1102,14 +1221,10 @@ def test_sampling_prints_the_seed_that_reproduces_it():
     assert again.stdout.split("\n\nspecexec:")[0] == first.stdout.split("\n\nspecexec:")[0]
 
 
-def start_cli(*argv, **kwargs):
-    """`python specexec.py` as a background process that Ctrl-C (SIGINT) interrupts."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    reset_sigint = lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)  # noqa: E731
-    return subprocess.Popen(
-        [sys.executable, str(HERE / "specexec.py"), *argv], env=env, cwd=HERE,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=reset_sigint, **kwargs,
-    )  # fmt: skip
+def start_cli(*argv):
+    """`python specexec.py ARGV` as a live process that Ctrl-C (SIGINT) interrupts, forked (its
+    pipes and signals a process's own; its interpreter's start-up is not what these test)."""
+    return ForkedProcess(fork_server(), argv)
 
 
 @needs_pair

@@ -14,7 +14,6 @@ import select
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections import namedtuple
 from pathlib import Path
@@ -30,12 +29,12 @@ from test_cli import (
     HERE,
     PAIR,
     check_errors,
-    clean_env,
     cli_run,
     cli_run_all,
     close_the_fork_servers,  # noqa: F401  (closed at the session's end)
     edit_json,
     save_tiny,
+    start_cli,
 )
 
 needs_pair = pytest.mark.skipif(
@@ -212,12 +211,7 @@ class Live:
     its output read as it comes, signals sent between."""
 
     def __init__(self, *argv):
-        self.process = subprocess.Popen(
-            [sys.executable, str(HERE / "specexec.py"), "--chat", *argv], cwd=HERE,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            env=clean_env(PYTHONUNBUFFERED="1"),
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-        )  # fmt: skip
+        self.process = start_cli("--chat", *argv)  # forked, as test_cli's live runs
         self.out = b""
 
     def send(self, line: bytes):
@@ -307,15 +301,17 @@ def test_a_copy_larger_than_the_free_space_is_refused_before_its_first_byte(tmp_
         offload.from_pretrained(good, mode="ssd", dtype="float64", offload_dir=copies)
     assert not [path for path in copies.rglob("*")], "written before it was refused"
     # the command line: one line, and no "writing a copy" before it
-    cli = ("import shutil, runpy, sys; from collections import namedtuple; "
-           "shutil.disk_usage = lambda path: namedtuple('U', 'total used free')(1, 1, 1000); "
-           "sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__')")  # fmt: skip
+    small_disk = tmp_path / "small_disk.py"  # `python specexec.py` on a disk 1000 bytes free
+    small_disk.write_text(
+        "import runpy, shutil, sys\n"
+        "from collections import namedtuple\n\n"
+        "shutil.disk_usage = lambda path: namedtuple('U', 'total used free')(1, 1, 1000)\n"
+        f"sys.path[0] = {str(HERE)!r}  # as `python specexec.py` sets it\n"
+        f"runpy.run_path({str(HERE / 'specexec.py')!r}, run_name='__main__')\n"
+    )
     argv = ["--target", good, "--draft", good, "--prompt", "w1", "--offload", "ssd", "--dtype",
             "float64", "--offload-dir", str(copies)]  # fmt: skip
-    result = subprocess.run(
-        [sys.executable, "-c", cli, str(HERE / "specexec.py"), *argv], capture_output=True,
-        text=True, env=clean_env(), cwd=HERE, timeout=300,
-    )  # fmt: skip
+    result = cli_run(*argv, script=small_disk)  # forked, as test_cli's runs
     assert result.returncode == 2 and result.stdout == "", result.stderr[-2000:]
     assert result.stderr.startswith("error: the converted copy needs"), result.stderr
     assert result.stderr.count("\n") == 1 and not list(copies.rglob("*.safetensors*"))

@@ -11,6 +11,7 @@ import _thread
 import contextlib
 import copy
 import errno
+import functools
 import itertools
 import json
 import math
@@ -73,6 +74,13 @@ def checkpoints(tmp_path_factory):
         out[family] = folder, save_model(folder, make_config())
     assert len(list(out["llama"][0].glob("*.safetensors"))) > 3  # really sharded
     return out
+
+
+@functools.cache
+def opened(folder):
+    """A fixture's folder, opened and checked once (models.open_model: its config read, its layers
+    heard) for the many loads of it the parametrized tests make; opening itself is tested apart."""
+    return models.open_model(folder)
 
 
 def set_attention(model, attention):
@@ -146,13 +154,14 @@ def test_logits_match_in_memory_model(
     checkpoints, family, mode, attention, tmp_path, kind=None, resident=0, buffers=2
 ):
     folder, oracle = checkpoints[family]
+    checked = opened(folder)  # opened once for all this test's runs
     oracle = copy.deepcopy(oracle)
     set_attention(oracle, attention)
     options = {"mode": mode, "device": "cpu", "offload_dir": tmp_path, "quantize": kind}
     options |= {"buffers": buffers, "context": CONTEXT}
     if resident:  # a budget that keeps that many layers on the device, the rest streaming
-        options |= memory_for(resident, folder, oracle, options)
-    with offload.from_pretrained(folder, **options) as model, contextlib.ExitStack() as stack:
+        options |= memory_for(resident, checked, oracle, options)
+    with offload.from_pretrained(checked, **options) as model, contextlib.ExitStack() as stack:
         assert model.stats.resident_layers == len(model.ring.resident) == resident
         loads = count_bytes_moved(model, stack)
         set_attention(model, attention)
@@ -215,19 +224,20 @@ def test_device_memory_keeps_the_layers_that_fit(tmp_path, mode, buffers, kind):
     where not even the ring fits, a one-line error before any layer is read. A resident
     quantized layer holds only what compute reads: the in-memory layer's bytes."""
     oracle = save_model(tmp_path / "model", tiny_config("llama", layers=5))
+    checked = models.open_model(tmp_path / "model")  # once: the loads below read from it
     options = {"mode": mode, "device": "cpu", "buffers": buffers, "context": CONTEXT}
     options |= {"quantize": kind, "offload_dir": tmp_path}
-    fixed, slot = device_sizes(tmp_path / "model", oracle, options)
+    fixed, slot = device_sizes(checked, oracle, options)
     own = resident_size(oracle, options, slot)
     for n_slots in range(7):
         for memory in (fixed + n_slots * slot - 1, fixed + n_slots * slot):
             fits = [k for k in range(6) if fixed + k * own + min(buffers, 5 - k) * slot <= memory]
             if not fits:
                 with pytest.raises(offload.OffloadError, match="too little for") as caught:
-                    offload.from_pretrained(tmp_path / "model", **options, device_memory=memory)
+                    offload.from_pretrained(checked, **options, device_memory=memory)
                 assert "\n" not in str(caught.value)
                 continue
-            with offload.from_pretrained(tmp_path / "model", **options, device_memory=memory) as m:
+            with offload.from_pretrained(checked, **options, device_memory=memory) as m:
                 assert m.stats.resident_layers == len(m.ring.resident) == max(fits)
                 assert sorted([*m.ring.resident, *m.ring.order]) == list(range(5))
                 # spread: the streamed runs before each resident layer differ by one at most
@@ -751,15 +761,16 @@ def test_a_pass_stopped_at_any_point_leaves_the_next_pass_exact(
     ring, stopped after a load was handed to the reader but before it was queued, counted its
     slot taken; the next pass loaded layer 1 over layer 0 before layer 0 computed (off by 0.2)."""
     folder, model = float64_target  # float64: no near-tied argmax flips
+    checked = opened(folder)  # opened once for all this test's runs
     oracle = dequantized(model, kind)
     options = {"mode": mode, "quantize": kind, "device": "cpu", "offload_dir": tmp_path}
     if resident:
-        options |= {"context": CONTEXT, **memory_for(resident, folder, oracle, options)}
+        options |= {"context": CONTEXT, **memory_for(resident, checked, oracle, options)}
     ids = torch.randint(97, (1, 5), generator=torch.Generator().manual_seed(1))
     want = oracle(ids).logits
     draft = random_model(tiny_config("llama", layers=1), seed=5, dtype=torch.float64)
     plain, _ = specexec.autoregressive(oracle, ids, max_new_tokens=3, eos_token_id=[])
-    with offload.from_pretrained(folder, **options) as target, contextlib.ExitStack() as stack:
+    with offload.from_pretrained(checked, **options) as target, contextlib.ExitStack() as stack:
         assert len(target.ring.resident) == resident
         paced(target, schedule, stack)
         for point in STOP_POINTS:
@@ -1023,14 +1034,17 @@ def test_ring_ordering_on_a_fake_device(
     exception or Ctrl-C stopped; a resident layer's buffer is copied into once, when the model is
     built."""
     folder, oracle = (quant_checkpoints if kind else checkpoints)[family]
+    checked = opened(folder)  # opened once for all this test's runs
     oracle = dequantized(oracle, kind)
     fake = FakeDevice(seed, (staging[0], staging[1] * offload.PAGE), oracle, fail_at)
     fake.queues = queues
     options = {"mode": mode, "buffers": buffers, "quantize": kind, "context": CONTEXT}
     options |= {"offload_dir": f"{folder}-offloaded"}
     if resident:  # sized on a device that stages its reads as the fake does
-        options |= memory_for(resident, folder, oracle, {**options, "device": Staged(fake.staging)})
-    model = offload.from_pretrained(folder, **options, device=fake)
+        options |= memory_for(
+            resident, checked, oracle, {**options, "device": Staged(fake.staging)}
+        )
+    model = offload.from_pretrained(checked, **options, device=fake)
     all_fit = resident + min(buffers, 3 - resident) >= 3  # the ring's slots would hold the rest
     assert len(model.ring.resident) == (3 if resident and all_fit else resident)
     fake.streams["copy"].submit(lambda: None).result()  # the loads at build time have run

@@ -6,11 +6,8 @@ request, in float64 (no near-tie between two logits can flip an argmax)."""
 import functools
 import http.client
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +24,7 @@ import specexec
 from conftest import tiny_model
 from specexec_app import cli, serve
 from specexec_app.chat import Chat
+from test_cli import close_the_fork_servers, start_cli  # noqa: F401  (closed at the session's end)
 
 HERE = Path(__file__).resolve().parent
 EOS = 2
@@ -439,14 +437,9 @@ def test_the_command_line_serves_the_pair_and_stops_on_ctrl_c():
     """`python specexec.py --serve --port 0`: it says where it listens, answers a chat, a
     completion and the README's client line, and Ctrl-C ends it cleanly (exit 130, its last line,
     no traceback)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "SPECEXEC_"))}
-    process = subprocess.Popen(
-        [sys.executable, "specexec.py", "--serve", "--port", "0", "--max-new-tokens", "6",
-         "--threads", "1"],
-        cwd=HERE, env={**env, "OMP_NUM_THREADS": "1"}, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    process = start_cli("--serve", "--port", "0", "--max-new-tokens", "6", "--threads", "1")
     try:
-        line = process.stderr.readline()
+        line = process.stderr.readline().decode()
         assert line.startswith("serve: 'target' at http://127.0.0.1:"), line
         url = line.split(" at ")[1].split(";")[0]
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=120)
@@ -465,7 +458,7 @@ def test_the_command_line_serves_the_pair_and_stops_on_ctrl_c():
         assert reply.choices[0].message.content and reply.usage.completion_tokens == 6
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 130
-        err = process.stderr.read()
+        err = process.stderr.read().decode()
     finally:
         process.kill()
     assert "Traceback" not in err and err.splitlines()[-1] == "serve: stopped", err

@@ -876,10 +876,11 @@ def chi_square_p_value(observed, expected):
     [(1.0, 1.0, 0, True), (0.8, 0.85, 0, False), (1.5, 1.0, 4, True)],
 )
 def test_sampled_frequencies_match_the_target_distribution(temperature, top_p, top_k, same_draft):
-    """The first two sampled tokens follow the target's exact (filtered) joint distribution."""
+    """The first two sampled tokens follow the target's exact (filtered) joint distribution.
+    One layer each: what is sampled, not the depth of the models, is under test (800 runs)."""
     vocab, n = 6, 800
-    target = tiny_model("llama", 0, vocab=vocab, init=0.2)
-    draft = target if same_draft else tiny_model("llama", 1, vocab=vocab, init=0.2)
+    target = tiny_model("llama", 0, vocab=vocab, layers=1, init=0.15)
+    draft = target if same_draft else tiny_model("llama", 1, vocab=vocab, layers=1, init=0.15)
     prompt = [1, 2]
     joint = {}
     with torch.no_grad():
@@ -1152,7 +1153,7 @@ def test_trained_pair_is_exact_and_speculates():
         for item in prompts:
             ids = tokenizer(item["prompt"])["input_ids"]
             expected, _ = specexec.autoregressive(target, ids, max_new_tokens=48)
-            tokens, stats = specexec.generate(target, draft, ids, max_new_tokens=48, budget=64)
+            tokens, stats = specexec.generate(target, draft, ids, max_new_tokens=48, budget=16)
             assert tokens == expected
             assert stats.tokens_per_step > 1.5, cli.summary(stats)
 
@@ -1577,7 +1578,10 @@ def repetitive(draw_list, repeats):
     return (draw_list * repeats)[:40]
 
 
-@settings(max_examples=20, **SETTINGS)
+# 12 examples: greedy exactness with lookup on at its default (32) beside a draft is held by
+# test_greedy_specexec_equals_greedy_target's 25 too; these add prompts that repeat, small
+# lookups and lookup alone
+@settings(max_examples=12, **SETTINGS)
 @given(
     family=st.sampled_from(FAMILIES),
     seed=st.integers(0, 3),
