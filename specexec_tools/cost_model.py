@@ -226,8 +226,9 @@ class CostModel:
                 # link's time does not grow) and its compute, on the line between the two sizes'.
                 # The line between the passes themselves would charge a tree the compute of the
                 # prompt's first pass (thousands of tokens) long before it outlasts the link
-                b0, b1 = self.busy_s[n0], self.busy_s[n1]
-                seconds = min(seconds, max(t0, b0 + (b1 - b0) / (n1 - n0) * (n - n0)))
+                busy = self.busy_s[n0]
+                compute = busy + (self.busy_s[n1] - busy) / (n1 - n0) * (n - n0)
+                seconds = min(seconds, max(t0, compute))
         known[n] = seconds
         return seconds
 
