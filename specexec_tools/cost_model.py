@@ -133,8 +133,9 @@ class CostModel:
     target_s: dict = field(default_factory=dict)  # tokens fed -> seconds of a target pass
     # tokens fed -> seconds of it not spent waiting for weights (a streamed target's: its compute)
     busy_s: dict = field(default_factory=dict)
-    # a streamed target (offload.py): its last pass's `stats.wait_s` (for weights) and
-    # `stats.link_idle_s` (the link idle before the pass: the next pass's first layers had landed)
+    # a streamed target (offload.py): its last pass's `stats.wait_s` (waiting for weights),
+    # `stats.ahead_s` (its link loading before the pass began) and `stats.link_idle_s` (the link
+    # idle then: all it had to load had landed)
     target: object = None
     draft_s: float | None = None  # seconds of one draft pass (the first tree's: the prompt too)
     other_s: float = 0.0  # seconds of the rest of a step
