@@ -57,12 +57,13 @@ SCRIPT = HERE / "specexec.py"
 # argv and file descriptors 0, 1, 2: each run is still a process of its own, whose exit status,
 # whatever reaches its stderr (tracebacks, log lines, warnings) and interpreter exit are a user's.
 # A run of another copy of the modules (installed alone) imports that copy's, torch still loaded.
-# A live run's descriptors are named pipes, its output unbuffered (ForkedProcess).
+# A live run's descriptors are named pipes, its output unbuffered (ForkedProcess). A run's
+# environment (FORKED_ENV) is set in its child before specexec.py runs.
 # Runs that need a fresh interpreter (an environment read at start-up, a function before exec
 # that a whole server cannot run under, a stdout that is no file) start one; those that drop
 # root's file access are forked from a server started so.
 FORK_SERVER = r"""
-import atexit, gc, io, os, pickle, runpy, signal, sys, threading
+import atexit, codecs, gc, io, os, pickle, runpy, signal, sys, threading
 
 import torch, transformers, safetensors.torch, tokenizers, tqdm  # what every run imports
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -78,7 +79,7 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def serve(requests, replies, parallel):
-    # Batches of runs [(argv, cwd, live, stdin, stdout, stderr paths)] -> their exit statuses; in
+    # Batches of runs [(argv, cwd, live, env, stdin, stdout, stderr paths)] -> exit statuses; in
     # a child this returns its argv, its descriptors in place. live: None, or (a file for the
     # child's pid, what importing wrote) for a run whose paths are pipes (ForkedProcess).
     while True:
@@ -94,10 +95,18 @@ def serve(requests, replies, parallel):
             pid = os.fork()
             if pid == 0:
                 requests.close(), replies.close()
-                argv, cwd, live, *paths = run
+                argv, cwd, live, env, *paths = run
                 if live:
                     with open(live[0], "w") as pid:
                         pid.write(str(os.getpid()))
+                os.environ.update(env)
+                if "PYTHONIOENCODING" in env:  # encoding[:errors]: the streams as Python opens
+                    # them under it at start-up (stderr's errors stay backslashreplace)
+                    encoding, _, errors = env["PYTHONIOENCODING"].partition(":")
+                    encoding = codecs.lookup(encoding).name  # its name for it: latin-1 iso8859-1
+                    for stream in sys.stdin, sys.stdout:
+                        stream.reconfigure(encoding=encoding, errors=errors or "strict")
+                    sys.stderr.reconfigure(encoding=encoding, errors="backslashreplace")
                 for fd in (1, 2, 0):  # stdout, stderr, stdin: a live run's pipes open so
                     os.dup2(os.open(paths[fd], os.O_RDONLY if fd == 0 else os.O_WRONLY), fd)
                 if live:  # as PYTHONUNBUFFERED=1 starts Python: each write reaches the pipe
@@ -199,7 +208,7 @@ class ForkServer:
             script = options.get("script", SCRIPT)
             argv = [str(script), *map(os.fsdecode, argv)]  # sys.argv, as Python decodes bytes
             paths = (str(stdin), output or str(stdout), str(stderr))
-            batch.append((argv, str(script.parent), None, *paths))
+            batch.append((argv, str(script.parent), None, options.get("env") or {}, *paths))
             files.append((argv[1:], None if output else stdout, stderr))
         statuses = self.send(batch, timeout * len(cases))
         return [
@@ -252,6 +261,7 @@ class ForkedProcess:
             [str(SCRIPT), *argv],
             str(HERE),
             (str(paths[3]), server.startup),
+            {},
             *map(str, paths[:3]),
         )
         self.waiting = ThreadPoolExecutor(max_workers=1)  # for its exit status
@@ -330,11 +340,17 @@ def close_the_fork_servers():
     servers.clear()
 
 
+# What a forked run's environment may change: what is read when used (HOME, by expanduser), and
+# PYTHONIOENCODING, read at start-up but set up in the child as Python sets it up. The rest
+# (HF_ENDPOINT, HF_HUB_OFFLINE, ... read as huggingface_hub is imported) needs a fresh interpreter.
+FORKED_ENV = {"HOME", "PYTHONIOENCODING"}
+
+
 def forked(options):
     """Whether a run can be forked from a fork server: nothing of a fresh interpreter's asked (an
-    environment, a function before exec that a whole server cannot run under), stdout a file if
-    any."""
-    plain = not options.get("env")
+    environment read at start-up, a function before exec that a whole server cannot run under),
+    stdout a file if any."""
+    plain = set(options.get("env") or ()) <= FORKED_ENV
     plain &= options.get("preexec_fn") in (None, drop_root_file_access)
     to_file = {"stdout"} if isinstance(getattr(options.get("stdout"), "name", 0), str) else set()
     return plain and set(options) <= {"env", "input", "script", "timeout", "preexec_fn"} | to_file
@@ -430,6 +446,26 @@ def edit_tensors(folder, edit):
     tensors = load_file(folder / "model.safetensors")
     edit(tensors)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_a_forked_runs_environment_is_a_fresh_interpreters(tmp_path):
+    """FORKED_ENV as a forked run sees it: its standard streams (encoding, errors) and its home
+    folder are those of a fresh interpreter started with that environment (the oracle)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import os, sys\n"
+        "for stream in sys.stdin, sys.stdout, sys.stderr:\n"
+        "    print(stream.encoding, stream.errors)\n"
+        "print(os.path.expanduser('~/copies'))\n"
+    )
+    envs = [{}, {"HOME": str(tmp_path)}, {"PYTHONIOENCODING": "ascii"}]
+    envs += [{"PYTHONIOENCODING": "utf-8"}, {"PYTHONIOENCODING": "latin-1:replace"}]
+    assert all(forked({"env": env}) for env in envs)
+    forks = cli_run_all([([], {"env": env, "script": probe}) for env in envs])
+    for env, fork in zip(envs, forks):
+        fresh = started_run(env=env, script=probe)
+        assert fork.returncode == fresh.returncode == 0, (env, fork.stderr, fresh.stderr)
+        assert fork.stdout == fresh.stdout, env
 
 
 # ---- bad options and prompts ----
