@@ -8,6 +8,7 @@ The promise under test: every bad input is one line `error: ...` on stderr, exit
 traceback, nothing written; Ctrl-C exits with 130 and a closed pipe quietly.
 """
 
+import functools
 import json
 import math
 import os
@@ -63,7 +64,7 @@ SCRIPT = HERE / "specexec.py"
 # that a whole server cannot run under, a stdout that is no file) start one; those that drop
 # root's file access are forked from a server started so.
 FORK_SERVER = r"""
-import atexit, codecs, gc, io, os, pickle, runpy, signal, sys, threading
+import atexit, codecs, gc, io, os, pickle, resource, runpy, signal, sys, threading
 
 import torch, transformers, safetensors.torch, tokenizers, tqdm  # what every run imports
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -79,9 +80,10 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def serve(requests, replies, parallel):
-    # Batches of runs [(argv, cwd, live, env, stdin, stdout, stderr paths)] -> exit statuses; in
-    # a child this returns its argv, its descriptors in place. live: None, or (a file for the
-    # child's pid, what importing wrote) for a run whose paths are pipes (ForkedProcess).
+    # Batches of runs [(argv, cwd, live, env, file size limit, stdin, stdout, stderr paths)] ->
+    # exit statuses; in a child this returns its argv, its descriptors in place. live: None, or
+    # (a file for the child's pid, what importing wrote) for a run whose paths are pipes
+    # (ForkedProcess). A path None: that descriptor closed.
     while True:
         try:
             batch = pickle.load(requests)
@@ -95,7 +97,7 @@ def serve(requests, replies, parallel):
             pid = os.fork()
             if pid == 0:
                 requests.close(), replies.close()
-                argv, cwd, live, env, *paths = run
+                argv, cwd, live, env, file_size, *paths = run
                 if live:
                     with open(live[0], "w") as pid:
                         pid.write(str(os.getpid()))
@@ -107,7 +109,13 @@ def serve(requests, replies, parallel):
                     for stream in sys.stdin, sys.stdout:
                         stream.reconfigure(encoding=encoding, errors=errors or "strict")
                     sys.stderr.reconfigure(encoding=encoding, errors="backslashreplace")
-                for fd in (1, 2, 0):  # stdout, stderr, stdin: a live run's pipes open so
+                if file_size is not None:  # `ulimit -f`: the process's, not read at start-up
+                    resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
+                for fd, name in ((1, "stdout"), (2, "stderr"), (0, "stdin")):  # pipes open so
+                    if paths[fd] is None:  # closed (`>&-`): Python started so opens no stream
+                        os.close(fd)
+                        setattr(sys, name, None), setattr(sys, f"__{name}__", None)
+                        continue
                     os.dup2(os.open(paths[fd], os.O_RDONLY if fd == 0 else os.O_WRONLY), fd)
                 if live:  # as PYTHONUNBUFFERED=1 starts Python: each write reaches the pipe
                     os.write(2, live[1])
@@ -153,6 +161,8 @@ except BaseException as error:
 threading._shutdown()
 atexit._run_exitfuncs()
 for stream in sys.stdout, sys.stderr:
+    if stream is None:  # closed at start-up: Python flushes none
+        continue
     try:
         stream.flush()
     except Exception as error:
@@ -194,11 +204,13 @@ class ForkServer:
         return pickle.load(self.replies)
 
     def run(self, cases, timeout):
-        """cases: [(argv, options of cli_run: input text or bytes, stdout a file)] ->
-        [CompletedProcess], text as subprocess.run's (stdout None where it went to a file)."""
+        """cases: [(argv, options of cli_run: input text or bytes, stdout a file or CLOSED,
+        file_size)] -> [CompletedProcess], text as subprocess.run's (stdout None where it went to a
+        file or was closed)."""
         batch, files = [], []
         for argv, options in cases:
             given, output = options.get("input"), getattr(options.get("stdout"), "name", None)
+            closed = options.get("stdout") is CLOSED
             self.count += 1
             stdin, stdout, stderr = (
                 self.folder / f"{self.count}.{n}" for n in ("in", "out", "err")
@@ -207,9 +219,10 @@ class ForkServer:
             stdout.touch(), stderr.touch()
             script = options.get("script", SCRIPT)
             argv = [str(script), *map(os.fsdecode, argv)]  # sys.argv, as Python decodes bytes
-            paths = (str(stdin), output or str(stdout), str(stderr))
-            batch.append((argv, str(script.parent), None, options.get("env") or {}, *paths))
-            files.append((argv[1:], None if output else stdout, stderr))
+            paths = (str(stdin), None if closed else output or str(stdout), str(stderr))
+            run = (argv, str(script.parent), None, options.get("env") or {})
+            batch.append((*run, options.get("file_size"), *paths))
+            files.append((argv[1:], None if output or closed else stdout, stderr))
         statuses = self.send(batch, timeout * len(cases))
         return [
             subprocess.CompletedProcess(
@@ -262,6 +275,7 @@ class ForkedProcess:
             str(HERE),
             (str(paths[3]), server.startup),
             {},
+            None,
             *map(str, paths[:3]),
         )
         self.waiting = ThreadPoolExecutor(max_workers=1)  # for its exit status
@@ -328,6 +342,7 @@ def as_text(data):
 
 
 servers = {}  # preexec_fn (None: none) -> the ForkServer started under it, by its first run
+CLOSED = "closed"  # stdout=CLOSED: a forked run's standard output closed, as the shell's `>&-`
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -352,8 +367,12 @@ def forked(options):
     stdout a file if any."""
     plain = set(options.get("env") or ()) <= FORKED_ENV
     plain &= options.get("preexec_fn") in (None, drop_root_file_access)
-    to_file = {"stdout"} if isinstance(getattr(options.get("stdout"), "name", 0), str) else set()
-    return plain and set(options) <= {"env", "input", "script", "timeout", "preexec_fn"} | to_file
+    stdout = options.get("stdout")
+    to_file = (
+        {"stdout"} if stdout is CLOSED or isinstance(getattr(stdout, "name", 0), str) else set()
+    )
+    given = {"env", "input", "script", "timeout", "preexec_fn", "file_size"} | to_file
+    return plain and set(options) <= given
 
 
 def fork_server(preexec_fn=None):
@@ -365,7 +384,8 @@ def fork_server(preexec_fn=None):
 
 def cli_run(*argv, env=None, timeout=300, script=SCRIPT, **options):
     """`python specexec.py ARGV` in a process of its own; returns the CompletedProcess. The
-    timeout only catches a hang; `options` go to subprocess.run (stdout=, preexec_fn=)."""
+    timeout only catches a hang; `options` go to subprocess.run (stdout=, preexec_fn=), or to a
+    forked run (stdout=CLOSED, file_size=: `ulimit -f` in bytes)."""
     return cli_run_all([(argv, {"env": env, "timeout": timeout, "script": script, **options})])[0]
 
 
@@ -448,24 +468,38 @@ def edit_tensors(folder, edit):
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
 
 
-def test_a_forked_runs_environment_is_a_fresh_interpreters(tmp_path):
-    """FORKED_ENV as a forked run sees it: its standard streams (encoding, errors) and its home
-    folder are those of a fresh interpreter started with that environment (the oracle)."""
+def test_a_forked_run_is_set_up_as_a_fresh_interpreter(tmp_path):
+    """What a forked run is given (FORKED_ENV, a closed stdout, a file size limit) as it sees
+    it: its standard streams (encoding, errors, or None), its home folder and limit are those of
+    a fresh interpreter started so (the oracle: `>&-` closes its stdout before exec)."""
+    import resource
+
     probe = tmp_path / "probe.py"
     probe.write_text(
-        "import os, sys\n"
-        "for stream in sys.stdin, sys.stdout, sys.stderr:\n"
-        "    print(stream.encoding, stream.errors)\n"
-        "print(os.path.expanduser('~/copies'))\n"
+        "import os, resource, sys\n"
+        "for stream in sys.stdin, sys.stdout, sys.stderr, sys.__stdout__:\n"
+        "    print(stream and (stream.encoding, stream.errors), file=sys.stderr)\n"
+        "print(os.path.expanduser('~/copies'), file=sys.stderr)\n"
+        "print(resource.getrlimit(resource.RLIMIT_FSIZE), file=sys.stderr)\n"
     )
-    envs = [{}, {"HOME": str(tmp_path)}, {"PYTHONIOENCODING": "ascii"}]
-    envs += [{"PYTHONIOENCODING": "utf-8"}, {"PYTHONIOENCODING": "latin-1:replace"}]
-    assert all(forked({"env": env}) for env in envs)
-    forks = cli_run_all([([], {"env": env, "script": probe}) for env in envs])
-    for env, fork in zip(envs, forks):
-        fresh = started_run(env=env, script=probe)
-        assert fork.returncode == fresh.returncode == 0, (env, fork.stderr, fresh.stderr)
-        assert fork.stdout == fresh.stdout, env
+    cases = [{}, {"env": {"HOME": str(tmp_path)}}, {"env": {"PYTHONIOENCODING": "ascii"}}]
+    cases += [
+        {"env": {"PYTHONIOENCODING": "utf-8"}},
+        {"env": {"PYTHONIOENCODING": "latin-1:replace"}},
+    ]
+    cases += [{"stdout": CLOSED}, {"file_size": 4096}]  # room for what it prints (stderr a file)
+    assert all(forked(options) for options in cases)
+    forks = cli_run_all([([], {**options, "script": probe}) for options in cases])
+    for options, fork in zip(cases, forks):
+        started = dict(options)  # as subprocess.run asks for them
+        if started.pop("stdout", None) is CLOSED:
+            started |= {"stdout": subprocess.DEVNULL, "preexec_fn": functools.partial(os.close, 1)}
+        if size := started.pop("file_size", None):
+            limit = (resource.RLIMIT_FSIZE, (size, size))
+            started["preexec_fn"] = functools.partial(resource.setrlimit, *limit)
+        fresh = started_run(script=probe, **started)
+        assert fork.returncode == fresh.returncode == 0, (options, fork.stderr, fresh.stderr)
+        assert fork.stderr == fresh.stderr, options
 
 
 # ---- bad options and prompts ----
@@ -1084,13 +1118,10 @@ def test_bad_input_with_stderr_on_a_full_device_still_exits_2(tmp_path):
 
 
 def test_output_that_cannot_be_written_fails_in_one_line(tmp_path):
-    """stdout on a full disk (/dev/full), over `ulimit -f`, or closed (`>&-`)."""
-    import resource
-
+    """stdout on a full disk (/dev/full), over `ulimit -f`, or closed (`>&-`); forked runs, whose
+    limit and closed stdout test_a_forked_run_is_set_up_as_a_fresh_interpreter holds."""
     good = save_tiny(tmp_path / "good")
     run = ["--target", good, "--draft", good, "--prompt", "w1 w2", "--max-new-tokens", "60"]
-    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))  # noqa: E731
-    close_stdout = lambda: os.close(1)  # noqa: E731
     with open("/dev/full", "w") as full, open(tmp_path / "small.txt", "w") as small:
         check_errors(
             [
@@ -1099,13 +1130,9 @@ def test_output_that_cannot_be_written_fails_in_one_line(tmp_path):
                 (
                     run,
                     "cannot write the output (File too large)",
-                    {"stdout": small, "preexec_fn": limit},
+                    {"stdout": small, "file_size": 64},
                 ),
-                (
-                    run,
-                    "output is closed",
-                    {"stdout": subprocess.DEVNULL, "preexec_fn": close_stdout},
-                ),
+                (run, "output is closed", {"stdout": CLOSED}),
             ]
         )
 
