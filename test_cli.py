@@ -526,7 +526,7 @@ def test_a_forked_run_is_set_up_as_a_fresh_interpreter(tmp_path):
         if size := started.pop("file_size", None):
             limit = (resource.RLIMIT_FSIZE, (size, size))
             started["preexec_fn"] = functools.partial(resource.setrlimit, *limit)
-        fresh = started_run(script=probe, **started)
+        fresh = started_run(script=probe, input="", **started)  # stdin a pipe, as the fork's a file
         assert fork.returncode == fresh.returncode == 0, (options, fork.stderr, fresh.stderr)
         assert fork.stderr == fresh.stderr, options
 
