@@ -8,6 +8,7 @@ The promise under test: every bad input is one line `error: ...` on stderr, exit
 traceback, nothing written; Ctrl-C exits with 130 and a closed pipe quietly.
 """
 
+import functools
 import json
 import math
 import os
@@ -57,12 +58,13 @@ SCRIPT = HERE / "specexec.py"
 # argv and file descriptors 0, 1, 2: each run is still a process of its own, whose exit status,
 # whatever reaches its stderr (tracebacks, log lines, warnings) and interpreter exit are a user's.
 # A run of another copy of the modules (installed alone) imports that copy's, torch still loaded.
-# A live run's descriptors are named pipes, its output unbuffered (ForkedProcess).
-# Runs that need a fresh interpreter (an environment read at start-up, a function before exec
-# that a whole server cannot run under, a stdout that is no file) start one; those that drop
-# root's file access are forked from a server started so.
+# A live run's descriptors are named pipes, its output unbuffered (ForkedProcess). What a run
+# is given (FORKED_ENV, a closed stdout, `ulimit -f`, root's file access dropped) its child sets
+# up before specexec.py runs, as a fresh interpreter would have it (a test holds the two alike).
+# Runs that need a fresh interpreter (an environment read at start-up, a function before exec,
+# a stdout that is no file) start one.
 FORK_SERVER = r"""
-import atexit, gc, io, os, pickle, runpy, signal, sys, threading
+import atexit, codecs, gc, io, os, pickle, resource, runpy, signal, sys, threading
 
 import torch, transformers, safetensors.torch, tokenizers, tqdm  # what every run imports
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -77,10 +79,29 @@ gc.freeze()  # the children's collections leave the imported objects (and their 
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def drop_file_access():
+    # root obeying file modes, as test_cli.drop_root_file_access leaves a started run: without
+    # CAP_DAC_OVERRIDE (1) and CAP_DAC_READ_SEARCH (2); no exec follows, so out of the effective,
+    # permitted and inheritable sets themselves (capset), not only the bounding set
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this process
+    sets = (ctypes.c_uint32 * 6)()  # effective, permitted, inheritable: capabilities 0-31, 32-63
+    assert libc.capget(header, sets) == 0, ctypes.get_errno()
+    for i in range(3):
+        sets[i] &= ~0b110
+    assert libc.capset(header, sets) == 0, ctypes.get_errno()
+    for capability in (1, 2):  # and from the bounding set, as drop_root_file_access does
+        libc.prctl(24, capability, 0, 0, 0)  # PR_CAPBSET_DROP
+
+
 def serve(requests, replies, parallel):
-    # Batches of runs [(argv, cwd, live, stdin, stdout, stderr paths)] -> their exit statuses; in
-    # a child this returns its argv, its descriptors in place. live: None, or (a file for the
-    # child's pid, what importing wrote) for a run whose paths are pipes (ForkedProcess).
+    # Batches of runs [(argv, cwd, live, setup, stdin, stdout, stderr paths)] -> exit statuses;
+    # in a child this returns its argv, its descriptors in place. live: None, or (a file for the
+    # child's pid, what importing wrote) for a run whose paths are pipes (ForkedProcess). setup:
+    # {env: changes, file_size: `ulimit -f`, as_user: root's file access dropped}. A path None:
+    # that descriptor closed.
     while True:
         try:
             batch = pickle.load(requests)
@@ -94,11 +115,28 @@ def serve(requests, replies, parallel):
             pid = os.fork()
             if pid == 0:
                 requests.close(), replies.close()
-                argv, cwd, live, *paths = run
+                argv, cwd, live, setup, *paths = run
                 if live:
                     with open(live[0], "w") as pid:
                         pid.write(str(os.getpid()))
-                for fd in (1, 2, 0):  # stdout, stderr, stdin: a live run's pipes open so
+                env, file_size = setup.get("env", {}), setup.get("file_size")
+                os.environ.update(env)
+                if "PYTHONIOENCODING" in env:  # encoding[:errors]: the streams as Python opens
+                    # them under it at start-up (stderr's errors stay backslashreplace)
+                    encoding, _, errors = env["PYTHONIOENCODING"].partition(":")
+                    encoding = codecs.lookup(encoding).name  # its name for it: latin-1 iso8859-1
+                    for stream in sys.stdin, sys.stdout:
+                        stream.reconfigure(encoding=encoding, errors=errors or "strict")
+                    sys.stderr.reconfigure(encoding=encoding, errors="backslashreplace")
+                if file_size is not None:  # `ulimit -f`: the process's, not read at start-up
+                    resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
+                if setup.get("as_user"):
+                    drop_file_access()
+                for fd, name in ((1, "stdout"), (2, "stderr"), (0, "stdin")):  # pipes open so
+                    if paths[fd] is None:  # closed (`>&-`): Python started so opens no stream
+                        os.close(fd)
+                        setattr(sys, name, None), setattr(sys, f"__{name}__", None)
+                        continue
                     os.dup2(os.open(paths[fd], os.O_RDONLY if fd == 0 else os.O_WRONLY), fd)
                 if live:  # as PYTHONUNBUFFERED=1 starts Python: each write reaches the pipe
                     os.write(2, live[1])
@@ -144,6 +182,8 @@ except BaseException as error:
 threading._shutdown()
 atexit._run_exitfuncs()
 for stream in sys.stdout, sys.stderr:
+    if stream is None:  # closed at start-up: Python flushes none
+        continue
     try:
         stream.flush()
     except Exception as error:
@@ -157,10 +197,10 @@ os._exit(status)
 
 
 class ForkServer:
-    """FORK_SERVER, started once (under `preexec_fn`, if any: its runs are so too); `run` runs a
-    batch of `python specexec.py` runs through it, `send` any batch (one at a time)."""
+    """FORK_SERVER, started once; `run` runs a batch of `python specexec.py` runs through it,
+    `send` any batch (one at a time)."""
 
-    def __init__(self, preexec_fn=None):
+    def __init__(self):
         self.folder = Path(tempfile.mkdtemp(prefix="specexec-runs-"))
         requests, self.requests = os.pipe()
         self.replies, replies = os.pipe()
@@ -169,7 +209,7 @@ class ForkServer:
         self.process = subprocess.Popen(
             [sys.executable, "-c", FORK_SERVER, str(requests), str(replies), parallel],
             pass_fds=(requests, replies), cwd=HERE, env=clean_env(), stdin=subprocess.DEVNULL,
-            stdout=startup, stderr=startup, start_new_session=True, preexec_fn=preexec_fn,
+            stdout=startup, stderr=startup, start_new_session=True,
         )  # fmt: skip
         os.close(requests), os.close(replies), startup.close()
         self.requests, self.replies = os.fdopen(self.requests, "wb"), os.fdopen(self.replies, "rb")
@@ -185,11 +225,13 @@ class ForkServer:
         return pickle.load(self.replies)
 
     def run(self, cases, timeout):
-        """cases: [(argv, options of cli_run: input text or bytes, stdout a file)] ->
-        [CompletedProcess], text as subprocess.run's (stdout None where it went to a file)."""
+        """cases: [(argv, options of cli_run: input text or bytes, stdout a file or CLOSED,
+        file_size, env, preexec_fn drop_root_file_access)] -> [CompletedProcess], text as
+        subprocess.run's (stdout None where it went to a file or was closed)."""
         batch, files = [], []
         for argv, options in cases:
             given, output = options.get("input"), getattr(options.get("stdout"), "name", None)
+            closed = options.get("stdout") is CLOSED
             self.count += 1
             stdin, stdout, stderr = (
                 self.folder / f"{self.count}.{n}" for n in ("in", "out", "err")
@@ -198,9 +240,11 @@ class ForkServer:
             stdout.touch(), stderr.touch()
             script = options.get("script", SCRIPT)
             argv = [str(script), *map(os.fsdecode, argv)]  # sys.argv, as Python decodes bytes
-            paths = (str(stdin), output or str(stdout), str(stderr))
-            batch.append((argv, str(script.parent), None, *paths))
-            files.append((argv[1:], None if output else stdout, stderr))
+            paths = (str(stdin), None if closed else output or str(stdout), str(stderr))
+            setup = {"env": options.get("env") or {}, "file_size": options.get("file_size")}
+            setup["as_user"] = options.get("preexec_fn") is drop_root_file_access
+            batch.append((argv, str(script.parent), None, setup, *paths))
+            files.append((argv[1:], None if output or closed else stdout, stderr))
         statuses = self.send(batch, timeout * len(cases))
         return [
             subprocess.CompletedProcess(
@@ -252,6 +296,7 @@ class ForkedProcess:
             [str(SCRIPT), *argv],
             str(HERE),
             (str(paths[3]), server.startup),
+            {},
             *map(str, paths[:3]),
         )
         self.waiting = ThreadPoolExecutor(max_workers=1)  # for its exit status
@@ -317,55 +362,66 @@ def as_text(data):
     return data.decode().replace("\r\n", "\n").replace("\r", "\n")
 
 
-servers = {}  # preexec_fn (None: none) -> the ForkServer started under it, by its first run
+servers = []  # the ForkServer, started by the first forked run
+CLOSED = "closed"  # stdout=CLOSED: a forked run's standard output closed, as the shell's `>&-`
 
 
 @pytest.fixture(scope="session", autouse=True)
 def close_the_fork_servers():
-    """The fork servers serve the session (each start is a fresh interpreter's), started by the
+    """The fork server serves the session (its start is a fresh interpreter's), started by the
     first forked run of any module (test_hardening's and test_docs' too), closed at its end."""
     yield
-    for server in servers.values():
+    for server in servers:
         server.close()
     servers.clear()
 
 
+# What a forked run's environment may change: what is read when used (HOME, by expanduser), and
+# PYTHONIOENCODING, read at start-up but set up in the child as Python sets it up. The rest
+# (HF_ENDPOINT, HF_HUB_OFFLINE, ... read as huggingface_hub is imported) needs a fresh interpreter.
+FORKED_ENV = {"HOME", "PYTHONIOENCODING"}
+
+
 def forked(options):
     """Whether a run can be forked from a fork server: nothing of a fresh interpreter's asked (an
-    environment, a function before exec that a whole server cannot run under), stdout a file if
-    any."""
-    plain = not options.get("env")
+    environment read at start-up, a function before exec that a whole server cannot run under),
+    stdout a file if any."""
+    plain = set(options.get("env") or ()) <= FORKED_ENV
     plain &= options.get("preexec_fn") in (None, drop_root_file_access)
-    to_file = {"stdout"} if isinstance(getattr(options.get("stdout"), "name", 0), str) else set()
-    return plain and set(options) <= {"env", "input", "script", "timeout", "preexec_fn"} | to_file
+    stdout = options.get("stdout")
+    to_file = (
+        {"stdout"} if stdout is CLOSED or isinstance(getattr(stdout, "name", 0), str) else set()
+    )
+    given = {"env", "input", "script", "timeout", "preexec_fn", "file_size"} | to_file
+    return plain and set(options) <= given
 
 
-def fork_server(preexec_fn=None):
-    """The fork server started under `preexec_fn`, started by its first run."""
-    if preexec_fn not in servers:
-        servers[preexec_fn] = ForkServer(preexec_fn)
-    return servers[preexec_fn]
+def fork_server():
+    """The fork server, started by its first run."""
+    if not servers:
+        servers.append(ForkServer())
+    return servers[0]
 
 
 def cli_run(*argv, env=None, timeout=300, script=SCRIPT, **options):
     """`python specexec.py ARGV` in a process of its own; returns the CompletedProcess. The
-    timeout only catches a hang; `options` go to subprocess.run (stdout=, preexec_fn=)."""
+    timeout only catches a hang; `options` go to subprocess.run (stdout=, preexec_fn=), or to a
+    forked run (stdout=CLOSED, file_size=: `ulimit -f` in bytes)."""
     return cli_run_all([(argv, {"env": env, "timeout": timeout, "script": script, **options})])[0]
 
 
 def cli_run_all(cases):
     """Several CLI runs at once: [(argv, options of cli_run)] -> [CompletedProcess]; those that
-    can be forked from the server started as they ask (under their preexec_fn, if any)."""
+    can be, forked from the fork server."""
     fork = [i for i, (_, options) in enumerate(cases) if forked(options)]
     with ThreadPoolExecutor(max_workers=4) as pool:
         results = [
             None if i in fork else pool.submit(started_run, *argv, **options)
             for i, (argv, options) in enumerate(cases)
         ]
-        for setup in {cases[i][1].get("preexec_fn") for i in fork}:
-            group = [i for i in fork if cases[i][1].get("preexec_fn") is setup]
-            timeout = max(cases[i][1].get("timeout", 300) for i in group)
-            for i, result in zip(group, fork_server(setup).run([cases[i] for i in group], timeout)):
+        if fork:
+            timeout = max(cases[i][1].get("timeout", 300) for i in fork)
+            for i, result in zip(fork, fork_server().run([cases[i] for i in fork], timeout)):
                 results[i] = result
         return [r if i in fork else r.result() for i, r in enumerate(results)]
 
@@ -430,6 +486,49 @@ def edit_tensors(folder, edit):
     tensors = load_file(folder / "model.safetensors")
     edit(tensors)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_a_forked_run_is_set_up_as_a_fresh_interpreter(tmp_path):
+    """What a forked run is given (FORKED_ENV, a closed stdout, a file size limit, root's file
+    access dropped) as it sees it: its standard streams (encoding, errors, or None), its home
+    folder, limit and access to a file of mode 000 are those of a fresh interpreter started so
+    (the oracle: `>&-` closes its stdout before exec)."""
+    import resource
+
+    probe = tmp_path / "probe.py"
+    probe.write_text(
+        "import os, resource, sys\n"
+        "for stream in sys.stdin, sys.stdout, sys.stderr, sys.__stdout__:\n"
+        "    print(stream and (stream.encoding, stream.errors), file=sys.stderr)\n"
+        "print(os.path.expanduser('~/copies'), file=sys.stderr)\n"
+        "print(resource.getrlimit(resource.RLIMIT_FSIZE), file=sys.stderr)\n"
+        "try:\n"
+        "    open('locked').close()\n"
+        "    print('locked: read', file=sys.stderr)\n"
+        "except PermissionError:\n"
+        "    print('locked: permission denied', file=sys.stderr)\n"
+    )
+    (tmp_path / "locked").touch(mode=0)
+    cases = [{}, {"env": {"HOME": str(tmp_path)}}, {"env": {"PYTHONIOENCODING": "ascii"}}]
+    cases += [
+        {"env": {"PYTHONIOENCODING": "utf-8"}},
+        {"env": {"PYTHONIOENCODING": "latin-1:replace"}},
+    ]
+    cases += [{"stdout": CLOSED}, {"file_size": 4096}]  # room for what it prints (stderr a file)
+    if os.geteuid() == 0:
+        cases.append({"preexec_fn": drop_root_file_access})
+    assert all(forked(options) for options in cases)
+    forks = cli_run_all([([], {**options, "script": probe}) for options in cases])
+    for options, fork in zip(cases, forks):
+        started = dict(options)  # as subprocess.run asks for them
+        if started.pop("stdout", None) is CLOSED:
+            started |= {"stdout": subprocess.DEVNULL, "preexec_fn": functools.partial(os.close, 1)}
+        if size := started.pop("file_size", None):
+            limit = (resource.RLIMIT_FSIZE, (size, size))
+            started["preexec_fn"] = functools.partial(resource.setrlimit, *limit)
+        fresh = started_run(script=probe, input="", **started)  # stdin a pipe, as the fork's a file
+        assert fork.returncode == fresh.returncode == 0, (options, fork.stderr, fresh.stderr)
+        assert fork.stderr == fresh.stderr, options
 
 
 # ---- bad options and prompts ----
@@ -885,7 +984,8 @@ def test_non_finite_logits_stop_the_run_naming_the_model(tmp_path):
 
 
 def drop_root_file_access():
-    """In the child, before exec: root without CAP_DAC_OVERRIDE/READ_SEARCH obeys file modes."""
+    """In the child, before exec: root without CAP_DAC_OVERRIDE/READ_SEARCH obeys file modes (a
+    forked run's child drops them as FORK_SERVER's drop_file_access)."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
@@ -1048,13 +1148,10 @@ def test_bad_input_with_stderr_on_a_full_device_still_exits_2(tmp_path):
 
 
 def test_output_that_cannot_be_written_fails_in_one_line(tmp_path):
-    """stdout on a full disk (/dev/full), over `ulimit -f`, or closed (`>&-`)."""
-    import resource
-
+    """stdout on a full disk (/dev/full), over `ulimit -f`, or closed (`>&-`); forked runs, whose
+    limit and closed stdout test_a_forked_run_is_set_up_as_a_fresh_interpreter holds."""
     good = save_tiny(tmp_path / "good")
     run = ["--target", good, "--draft", good, "--prompt", "w1 w2", "--max-new-tokens", "60"]
-    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (64, 64))  # noqa: E731
-    close_stdout = lambda: os.close(1)  # noqa: E731
     with open("/dev/full", "w") as full, open(tmp_path / "small.txt", "w") as small:
         check_errors(
             [
@@ -1063,13 +1160,9 @@ def test_output_that_cannot_be_written_fails_in_one_line(tmp_path):
                 (
                     run,
                     "cannot write the output (File too large)",
-                    {"stdout": small, "preexec_fn": limit},
+                    {"stdout": small, "file_size": 64},
                 ),
-                (
-                    run,
-                    "output is closed",
-                    {"stdout": subprocess.DEVNULL, "preexec_fn": close_stdout},
-                ),
+                (run, "output is closed", {"stdout": CLOSED}),
             ]
         )
 

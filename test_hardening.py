@@ -44,7 +44,7 @@ needs_pair = pytest.mark.skipif(
 
 def chat_run(argv, turns: bytes, **env):
     """`python specexec.py --chat ARGV` with `turns` piped in as bytes (not all of them text),
-    forked as test_cli's runs are (with `env` added to its environment: a fresh interpreter);
+    forked as test_cli's runs are (with `env` added to its environment);
     returns (exit status, stdout, stderr), decoded."""
     result = cli_run("--chat", *argv, input=turns, env=env or None)
     return result.returncode, result.stdout, result.stderr

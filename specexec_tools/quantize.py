@@ -28,6 +28,8 @@ offload.py's `Dequantizing` storage runs `dequantize_layer` as each layer lands,
 self-draft (`--draft int8|int4`, offload.self_draft) is the target's own quantized copy.
 """
 
+import functools
+
 import torch
 
 from specexec_tools import KINDS  # noqa: F401  (int8, int4: offload.py reads them here)
@@ -124,7 +126,14 @@ def quantize_layer(tensors: dict, dtype: torch.dtype, kind: str | None) -> dict:
 
 def stored_layer(shapes: dict, dtype: torch.dtype, kind: str | None) -> dict:
     """quantize_layer of a layer with these shapes, on meta: dtypes and shapes, no bytes."""
-    meta = {name: torch.empty(shape, device="meta") for name, shape in shapes.items()}
+    return dict(stored_layout(tuple(shapes.items()), dtype, kind))
+
+
+# once per layer shape: on meta, quantize runs torch's reference kernels, written in Python (some
+# 50 ms a layer), and each load sizes a layer several times (the check, the slots, the storage)
+@functools.lru_cache(maxsize=None)
+def stored_layout(shapes: tuple, dtype: torch.dtype, kind: str | None) -> dict:
+    meta = {name: torch.empty(shape, device="meta") for name, shape in shapes}
     return quantize_layer(meta, dtype, kind)
 
 
