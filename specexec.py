@@ -92,16 +92,16 @@ from specexec_tools.models import ATTENTION_KERNELS, CACHE, Clock, attention_win
 
 @dataclass
 class DraftTree:
-    """Every node found; node 0 is the root, the last token of `seq`. Two heaps of (key, node):
-    `candidates` (found, not yet expanded) give up their best first, `best_nodes` (the `budget`
-    best so far) their worst."""
+    """Every node found; node 0 is the root, the last token of `seq`. Two heaps, each entry ending
+    in its node: `candidates` (found, not yet expanded) give up their best first, `best_nodes`
+    (the `budget` best so far) their worst."""
 
     tokens: list  # token of each node
     parents: list  # parent node of each node; -1 for the root
     cum_logprob: list  # draft log-probability of the path from the root (root: 0)
     depth: list  # edges from the root (root: 0)
     budget: int  # how many nodes (besides the root) the target will verify
-    candidates: list = field(default_factory=list)  # heap of (rank, node): best on top
+    candidates: list = field(default_factory=list)  # heap of rank(node)s: best on top
     best_nodes: list = field(default_factory=list)  # heap of (rank reversed, node): worst on top
     expanded: list = field(default_factory=list)  # nodes (not the root) the draft ran, in order
     children: dict = field(default_factory=dict)  # (parent, token) -> node
@@ -127,11 +127,11 @@ class DraftTree:
         self.draft_passes += 1
         top = torch.topk(logprobs, min(branch, logprobs.shape[-1]))  # (len(nodes), branch) each
         for node, values, tokens in zip(nodes, top.values.tolist(), top.indices.tolist()):
-            for logprob, token in zip(values, tokens):
-                child = self.add_child(node, token, logprob)
-                if self.may_enter(child):  # else no candidate either: nor will its children be
-                    self.admit(child)
-                    heapq.heappush(self.candidates, (self.rank(child), child))
+            children = [self.add_child(node, token, value) for value, token in zip(values, tokens)]
+            for child in children:  # best first: once one ranks below the best nodes, all do
+                if self.admit(child) == child:  # nor will their children enter: not candidates
+                    break
+                heapq.heappush(self.candidates, self.rank(child))
 
     def may_enter(self, node):
         """Whether `node` may be a best node: any while there are fewer than `budget`, then one
@@ -142,7 +142,7 @@ class DraftTree:
     def admit(self, node):
         """Put `node` among the best nodes, pushing out the worst once there are `budget`;
         returns the node pushed out (`node` itself if it ranks below them all), or None."""
-        entry = ((self.cum_logprob[node], -node), node)  # the rank reversed: worst on top
+        entry = (self.cum_logprob[node], -node, node)  # the rank reversed: worst on top
         if len(self.best_nodes) < self.budget:
             heapq.heappush(self.best_nodes, entry)
             return None
@@ -161,7 +161,7 @@ class DraftTree:
         context has left); a token the draft found there keeps its node, ranked the higher. They
         compete for the budget as the draft's nodes do. Returns the nodes the chains proposed,
         the draft's among them."""
-        best = {node for _, node in self.best_nodes}
+        best = {node for *_, node in self.best_nodes}
         proposed = set()
         for chain in chains:
             node = start
@@ -188,7 +188,7 @@ class DraftTree:
 
         They always form a tree (closed under ancestors): a child's path is its parent's times
         one more probability <= 1, so it never ranks above its parent (ties: the earlier node)."""
-        return sorted(node for _, node in self.best_nodes)
+        return sorted(node for *_, node in self.best_nodes)
 
     def local_parents(self, nodes):
         """Each node's parent as an index into `nodes` (parents first), -1 for the root."""
