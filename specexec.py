@@ -297,9 +297,9 @@ def tree_mask(parents, n_prefix, dtype, device, window=None, n_new=None):
         seen += climb[:reach]
         depths.append(len(climb))
     positions = n_prefix - 1 + longs(depths)  # (n_new,)
-    too_far = positions[:, None] - torch.arange(n_prefix) >= reach  # (n_new, n_prefix)
+    near = torch.arange(n_prefix) > positions[:, None] - reach  # (n_new, n_prefix)
     mask = torch.full((n - first, n_prefix + n), torch.finfo(dtype).min, dtype=dtype)  # all hidden
-    mask[:, :n_prefix].masked_fill_(~too_far, 0.0)  # (n_new, n_prefix): the prefix within reach
+    mask[:, :n_prefix].masked_fill_(near, 0.0)  # (n_new, n_prefix): the prefix within reach
     mask[longs(rows), n_prefix + longs(seen)] = 0.0  # each row's token and its near ancestors
     return mask[None, None].to(device), positions[None].to(device)
 

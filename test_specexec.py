@@ -174,6 +174,8 @@ def test_tree_is_best_budget_nodes_closed_under_ancestors(
     dropped = set(range(1, len(tree.tokens))) - set(kept)
     assert len(kept) <= budget
     assert tree.draft_passes <= max_depth
+    for node in [0, *tree.expanded]:  # all its children stay, those that could not enter too:
+        assert tree.parents.count(node) == branch  # auto counts every child the draft proposed
     for node in kept:
         assert tree.parents[node] == 0 or tree.parents[node] in kept  # closed under ancestors
         assert len(ancestors(tree.parents, node)) - 1 <= max_depth
