@@ -16,9 +16,8 @@ from test_cli import cli_run, close_the_fork_servers  # noqa: F401  (closed at t
 
 HERE = Path(__file__).resolve().parent
 README = (HERE / "README.md").read_text()
-needs_pair = pytest.mark.skipif(
-    not (HERE / "models" / "target" / "config.json").exists(), reason="models/ not trained yet"
-)
+HAS_PAIR = (HERE / "models" / "target" / "config.json").exists()
+needs_pair = pytest.mark.skipif(not HAS_PAIR, reason="models/ not trained yet")
 
 
 def first_screen():
@@ -65,20 +64,48 @@ def test_the_run_command_runs_as_written():
     assert re.search(r"\d+ tokens in \d+ target pass", run.stdout)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def notebook_run(request, tmp_path_factory):
+    """notebook.ipynb executed as `jupyter nbconvert --to notebook --execute` executes it, from
+    this module's first test on, where its test is selected: (the process, its folder: the
+    executed notebook and the log). That test runs last (marked so; conftest.py orders it), and
+    meanwhile the kernel computes beside the other tests, on the core their one thread leaves
+    free (test_offload.py sets torch's), so the suite waits for little of its minute."""
+    if not HAS_PAIR or "test_notebook_runs_top_to_bottom" not in {
+        item.name for item in request.session.items
+    }:
+        yield None
+        return
+    folder = tmp_path_factory.mktemp("notebook")
+    with open(folder / "log", "w") as log:
+        execute = "-m nbconvert --to notebook --execute notebook.ipynb --output-dir".split()
+        kernel = ["--ExecutePreprocessor.timeout=300", "--ExecutePreprocessor.kernel_name=python3"]
+        process = subprocess.Popen(
+            [sys.executable, *execute, str(folder), *kernel],
+            cwd=HERE,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+        )
+    yield process, folder
+    process.kill()  # only where its test never waited for it (the suite stopped first)
+    process.wait()
+
+
 @needs_pair
-def test_notebook_runs_top_to_bottom():
+@pytest.mark.last
+def test_notebook_runs_top_to_bottom(notebook_run):
     """notebook.ipynb runs on the project's pair from the repo root; its own asserts check it.
     Every cell that says it draws a picture shows one, and the HTML page that `jupyter nbconvert
     --to html --execute notebook.ipynb` writes carries them all."""
     import nbformat
-    from nbclient import NotebookClient
     from nbconvert import HTMLExporter
 
-    notebook = nbformat.read(HERE / "notebook.ipynb", as_version=4)  # executed here, not saved
-    client = NotebookClient(
-        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(HERE)}}
-    )
-    client.execute()  # raises CellExecutionError at the first cell that fails
+    process, folder = notebook_run  # executed there, not saved here
+    process.wait(timeout=900)
+    log = (folder / "log").read_text()
+    assert process.returncode == 0, log[-3000:]  # the first cell that failed, its traceback
+    notebook = nbformat.read(folder / "notebook.ipynb", as_version=4)
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
     assert code and all(cell.execution_count for cell in code), "a code cell did not run"
     errors = [out for cell in code for out in cell.outputs if out.output_type == "error"]
