@@ -219,8 +219,8 @@ def cut_draft(name, dtype=torch.float64):
 
 
 def pytest_collection_modifyitems(items):
-    """Tests marked `last` run after the others, in their order (test_docs' notebook, which
-    runs beside them meanwhile)."""
+    """Tests marked `last` run after the others, in their order (test_docs' notebook and README
+    script, which run beside them meanwhile)."""
     items.sort(key=lambda item: item.get_closest_marker("last") is not None)
 
 

@@ -16,6 +16,7 @@ from test_cli import cli_run, close_the_fork_servers  # noqa: F401  (closed at t
 
 HERE = Path(__file__).resolve().parent
 README = (HERE / "README.md").read_text()
+API_SCRIPT = re.search(r"```python\n(.*?)```", README[README.index("## Python API") :], re.S)[1]
 HAS_PAIR = (HERE / "models" / "target" / "config.json").exists()
 needs_pair = pytest.mark.skipif(not HAS_PAIR, reason="models/ not trained yet")
 
@@ -64,6 +65,11 @@ def test_the_run_command_runs_as_written():
     assert re.search(r"\d+ tokens in \d+ target pass", run.stdout)
 
 
+def selected(request, name):
+    """Whether the test `name`, which needs the pair, runs in this session."""
+    return HAS_PAIR and name in {item.name for item in request.session.items}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def notebook_run(request, tmp_path_factory):
     """notebook.ipynb executed as `jupyter nbconvert --to notebook --execute` executes it, from
@@ -71,9 +77,7 @@ def notebook_run(request, tmp_path_factory):
     executed notebook and the log). That test runs last (marked so; conftest.py orders it), and
     meanwhile the kernel computes beside the other tests, on the core their one thread leaves
     free (test_offload.py sets torch's), so the suite waits for little of its minute."""
-    if not HAS_PAIR or "test_notebook_runs_top_to_bottom" not in {
-        item.name for item in request.session.items
-    }:
+    if not selected(request, "test_notebook_runs_top_to_bottom"):
         yield None
         return
     folder = tmp_path_factory.mktemp("notebook")
@@ -119,20 +123,19 @@ def test_notebook_runs_top_to_bottom(notebook_run):
     assert len(images) == len(drawing) >= 5
 
 
-@needs_pair
-def test_readme_api_script_runs_as_written_from_any_folder(tmp_path):
-    """README's API code block, saved as a script and run as a user runs it: from a fresh folder
-    with no PYTHONPATH, the project installed the README's way (CI installs it so; here: the
-    environment the tests run in), and from a folder that holds a folder named `specexec` (a
-    clone's default name, which Python could take for the module). It prints the prompt, a
-    continuation and the summary, nothing else: no progress bars."""
-    api = README[README.index("## Python API") :]
-    code = re.search(r"```python\n(.*?)```", api, re.S).group(1)
+@pytest.fixture(scope="session", autouse=True)
+def api_script_runs(request, tmp_path_factory):
+    """The two runs of README's API script that the test below reads, begun with this module's
+    first test as the notebook is: their processes."""
+    if not selected(request, "test_readme_api_script_runs_as_written_from_any_folder"):
+        yield None
+        return
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("HF_")}
-    (tmp_path / "beside" / "specexec").mkdir(parents=True)
+    root = tmp_path_factory.mktemp("api")
+    (root / "beside" / "specexec").mkdir(parents=True)
     processes = []
-    for folder in (tmp_path, tmp_path / "beside"):  # both at once: each mostly one core's start
-        (folder / "try_specexec.py").write_text(code)
+    for folder in (root, root / "beside"):  # both at once: each mostly one core's start
+        (folder / "try_specexec.py").write_text(API_SCRIPT)
         processes.append(
             subprocess.Popen(
                 [sys.executable, "try_specexec.py"],
@@ -143,11 +146,26 @@ def test_readme_api_script_runs_as_written_from_any_folder(tmp_path):
                 env={**env, "OMP_NUM_THREADS": "1"},
             )
         )
+    yield processes
     for process in processes:
+        process.kill()  # only where its test never waited for it (the suite stopped first)
+        process.wait()
+
+
+@needs_pair
+@pytest.mark.last
+def test_readme_api_script_runs_as_written_from_any_folder(api_script_runs):
+    """README's API code block, saved as a script and run as a user runs it: from a fresh folder
+    with no PYTHONPATH, the project installed the README's way (CI installs it so; here: the
+    environment the tests run in), and from a folder that holds a folder named `specexec` (a
+    clone's default name, which Python could take for the module). It prints the prompt, a
+    continuation and the summary, nothing else: no progress bars. (Run beside the suite from
+    this module's first test on: api_script_runs.)"""
+    prompt = ast.literal_eval(re.search(r"^prompt = (.*)$", API_SCRIPT, re.M).group(1))
+    for process in api_script_runs:
         out, err = process.communicate(timeout=600)
         assert process.returncode == 0, err
         assert err == "", err  # no "Loading weights" bars
-        prompt = ast.literal_eval(re.search(r"^prompt = (.*)$", code, re.M).group(1))
         text, summary = out.rstrip("\n").rsplit("\n", 1)
         assert text.startswith(prompt) and text[len(prompt) :].strip(), out
         assert re.match(r"\d+ tokens? in \d+ target pass(es)? \(.* per pass\)", summary), summary
