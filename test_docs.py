@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from test_cli import cli_run, close_the_fork_servers  # noqa: F401  (closed at the session's end)
+from test_cli import cli_run
 
 HERE = Path(__file__).resolve().parent
 README = (HERE / "README.md").read_text()
