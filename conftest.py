@@ -218,6 +218,12 @@ def cut_draft(name, dtype=torch.float64):
     return draft
 
 
+def pytest_collection_modifyitems(items):
+    """Tests marked `last` run after the others, in their order (test_docs' notebook and README
+    script, which run beside them meanwhile)."""
+    items.sort(key=lambda item: item.get_closest_marker("last") is not None)
+
+
 def ancestors(parents, i):
     """Oracle: node i and its ancestors, one parent at a time (tree_mask walks all at once)."""
     chain = []

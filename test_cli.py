@@ -8,6 +8,7 @@ The promise under test: every bad input is one line `error: ...` on stderr, exit
 traceback, nothing written; Ctrl-C exits with 130 and a closed pipe quietly.
 """
 
+import atexit
 import functools
 import json
 import math
@@ -197,8 +198,8 @@ os._exit(status)
 
 
 class ForkServer:
-    """FORK_SERVER, started once; `run` runs a batch of `python specexec.py` runs through it,
-    `send` any batch (one at a time)."""
+    """FORK_SERVER, started once and closed as Python exits; `ready` waits for its imports, `run`
+    runs a batch of `python specexec.py` runs through it, `send` any batch (one at a time)."""
 
     def __init__(self):
         self.folder = Path(tempfile.mkdtemp(prefix="specexec-runs-"))
@@ -215,8 +216,15 @@ class ForkServer:
         self.requests, self.replies = os.fdopen(self.requests, "wb"), os.fdopen(self.replies, "rb")
         self.count, self.one_batch_at_a_time = 0, threading.Lock()
         self.live = []  # the ForkedProcesses started
-        assert self.receive(timeout=600) == "ready"
-        self.startup = (self.folder / "startup").read_bytes()
+        self.startup = None  # what importing wrote, once the server says it is ready
+        atexit.register(self.close)
+
+    def ready(self):
+        """The server, its imports done."""
+        if self.startup is None:
+            assert self.receive(timeout=600) == "ready"
+            self.startup = (self.folder / "startup").read_bytes()
+        return self
 
     def receive(self, timeout):
         if not select.select([self.replies], [], [], timeout)[0]:
@@ -275,7 +283,7 @@ class ForkServer:
             os.killpg(self.process.pid, signal.SIGKILL)  # its runs too
             self.process.wait()
         self.replies.close()
-        shutil.rmtree(self.folder)
+        shutil.rmtree(self.folder, ignore_errors=True)  # closed already where a run timed out
 
 
 class ForkedProcess:
@@ -362,18 +370,7 @@ def as_text(data):
     return data.decode().replace("\r\n", "\n").replace("\r", "\n")
 
 
-servers = []  # the ForkServer, started by the first forked run
 CLOSED = "closed"  # stdout=CLOSED: a forked run's standard output closed, as the shell's `>&-`
-
-
-@pytest.fixture(scope="session", autouse=True)
-def close_the_fork_servers():
-    """The fork server serves the session (its start is a fresh interpreter's), started by the
-    first forked run of any module (test_hardening's and test_docs' too), closed at its end."""
-    yield
-    for server in servers:
-        server.close()
-    servers.clear()
 
 
 # What a forked run's environment may change: what is read when used (HOME, by expanduser), and
@@ -396,11 +393,15 @@ def forked(options):
     return plain and set(options) <= given
 
 
+# The session's fork server (test_hardening's, test_docs' and test_serve's runs too), started as
+# pytest collects this module, so that its imports (seconds) go on beside the collection of the
+# other modules rather than before the first run.
+FORKS = ForkServer()
+
+
 def fork_server():
-    """The fork server, started by its first run."""
-    if not servers:
-        servers.append(ForkServer())
-    return servers[0]
+    """The fork server, ready."""
+    return FORKS.ready()
 
 
 def cli_run(*argv, env=None, timeout=300, script=SCRIPT, **options):

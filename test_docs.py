@@ -5,6 +5,8 @@ import ast
 import io
 import os
 import re
+import shlex
+import signal
 import subprocess
 import sys
 import tokenize
@@ -12,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from test_cli import cli_run, close_the_fork_servers  # noqa: F401  (closed at the session's end)
+from test_cli import cli_run
 
 HERE = Path(__file__).resolve().parent
 README = (HERE / "README.md").read_text()
-needs_pair = pytest.mark.skipif(
-    not (HERE / "models" / "target" / "config.json").exists(), reason="models/ not trained yet"
-)
+API_SCRIPT = re.search(r"```python\n(.*?)```", README[README.index("## Python API") :], re.S)[1]
+HAS_PAIR = (HERE / "models" / "target" / "config.json").exists()
+needs_pair = pytest.mark.skipif(not HAS_PAIR, reason="models/ not trained yet")
 
 
 def first_screen():
@@ -65,20 +67,61 @@ def test_the_run_command_runs_as_written():
     assert re.search(r"\d+ tokens in \d+ target pass", run.stdout)
 
 
+def beside(command, **options):
+    """subprocess.Popen(command) a step below the tests' priority (nice 10): it computes on the
+    CPU they leave idle rather than slowing them."""
+    return subprocess.Popen(["nice", "-n", "10", *command], **options)
+
+
+def selected(request, name):
+    """Whether the test `name`, which needs the pair, runs in this session."""
+    return HAS_PAIR and name in {item.name for item in request.session.items}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def notebook_run(request, tmp_path_factory):
+    """notebook.ipynb executed as `jupyter nbconvert --to notebook --execute` executes it, then
+    the executed notebook as an HTML page, from this module's first test on, where its test is
+    selected: (the process, its folder: the notebook, the page and the log). That test runs last
+    (marked so; conftest.py orders it), and meanwhile the kernel computes beside the other tests,
+    on the core their one thread leaves free (test_offload.py sets torch's): the suite waits for
+    little of its minute."""
+    if not selected(request, "test_notebook_runs_top_to_bottom"):
+        yield None
+        return
+    folder = tmp_path_factory.mktemp("notebook")
+    nbconvert = [sys.executable, "-m", "nbconvert", "--output-dir", str(folder)]
+    execute = [*nbconvert, "--to", "notebook", "--execute", "notebook.ipynb"]
+    execute += ["--ExecutePreprocessor.timeout=300", "--ExecutePreprocessor.kernel_name=python3"]
+    page = [*nbconvert, "--to", "html", str(folder / "notebook.ipynb")]
+    with open(folder / "log", "w") as log:
+        process = beside(
+            ["sh", "-c", f"{shlex.join(execute)} && {shlex.join(page)}"],
+            cwd=HERE,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            process_group=0,  # the shell and what it runs, killed together below
+        )
+    yield process, folder
+    if process.poll() is None:  # only where its test never waited for it (the suite stopped)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
 @needs_pair
-def test_notebook_runs_top_to_bottom():
+@pytest.mark.last
+def test_notebook_runs_top_to_bottom(notebook_run):
     """notebook.ipynb runs on the project's pair from the repo root; its own asserts check it.
     Every cell that says it draws a picture shows one, and the HTML page that `jupyter nbconvert
     --to html --execute notebook.ipynb` writes carries them all."""
     import nbformat
-    from nbclient import NotebookClient
-    from nbconvert import HTMLExporter
 
-    notebook = nbformat.read(HERE / "notebook.ipynb", as_version=4)  # executed here, not saved
-    client = NotebookClient(
-        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(HERE)}}
-    )
-    client.execute()  # raises CellExecutionError at the first cell that fails
+    process, folder = notebook_run  # executed there, not saved here
+    process.wait(timeout=900)
+    log = (folder / "log").read_text()
+    assert process.returncode == 0, log[-3000:]  # the first cell that failed, its traceback
+    notebook = nbformat.read(folder / "notebook.ipynb", as_version=4)
     code = [cell for cell in notebook.cells if cell.cell_type == "code"]
     assert code and all(cell.execution_count for cell in code), "a code cell did not run"
     errors = [out for cell in code for out in cell.outputs if out.output_type == "error"]
@@ -87,27 +130,26 @@ def test_notebook_runs_top_to_bottom():
     for cell in drawing:
         images = [out for out in cell.outputs if "image/png" in out.get("data", {})]
         assert len(images) == 1, cell.source.splitlines()[0]
-    html, _ = HTMLExporter().from_notebook_node(notebook)
+    html = (folder / "notebook.html").read_text()
     images = re.findall(r'<img [^>]*src="data:image/png;base64,', html)  # embedded, not linked
     assert len(images) == len(drawing) >= 5
 
 
-@needs_pair
-def test_readme_api_script_runs_as_written_from_any_folder(tmp_path):
-    """README's API code block, saved as a script and run as a user runs it: from a fresh folder
-    with no PYTHONPATH, the project installed the README's way (CI installs it so; here: the
-    environment the tests run in), and from a folder that holds a folder named `specexec` (a
-    clone's default name, which Python could take for the module). It prints the prompt, a
-    continuation and the summary, nothing else: no progress bars."""
-    api = README[README.index("## Python API") :]
-    code = re.search(r"```python\n(.*?)```", api, re.S).group(1)
+@pytest.fixture(scope="session", autouse=True)
+def api_script_runs(request, tmp_path_factory):
+    """The two runs of README's API script that the test below reads, begun with this module's
+    first test as the notebook is: their processes."""
+    if not selected(request, "test_readme_api_script_runs_as_written_from_any_folder"):
+        yield None
+        return
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("HF_")}
-    (tmp_path / "beside" / "specexec").mkdir(parents=True)
+    root = tmp_path_factory.mktemp("api")
+    (root / "beside" / "specexec").mkdir(parents=True)
     processes = []
-    for folder in (tmp_path, tmp_path / "beside"):  # both at once: each mostly one core's start
-        (folder / "try_specexec.py").write_text(code)
+    for folder in (root, root / "beside"):  # both at once: each mostly one core's start
+        (folder / "try_specexec.py").write_text(API_SCRIPT)
         processes.append(
-            subprocess.Popen(
+            beside(
                 [sys.executable, "try_specexec.py"],
                 cwd=folder,
                 stdout=subprocess.PIPE,
@@ -116,11 +158,26 @@ def test_readme_api_script_runs_as_written_from_any_folder(tmp_path):
                 env={**env, "OMP_NUM_THREADS": "1"},
             )
         )
+    yield processes
     for process in processes:
+        process.kill()  # only where its test never waited for it (the suite stopped first)
+        process.wait()
+
+
+@needs_pair
+@pytest.mark.last
+def test_readme_api_script_runs_as_written_from_any_folder(api_script_runs):
+    """README's API code block, saved as a script and run as a user runs it: from a fresh folder
+    with no PYTHONPATH, the project installed the README's way (CI installs it so; here: the
+    environment the tests run in), and from a folder that holds a folder named `specexec` (a
+    clone's default name, which Python could take for the module). It prints the prompt, a
+    continuation and the summary, nothing else: no progress bars. (Run beside the suite from
+    this module's first test on: api_script_runs.)"""
+    prompt = ast.literal_eval(re.search(r"^prompt = (.*)$", API_SCRIPT, re.M).group(1))
+    for process in api_script_runs:
         out, err = process.communicate(timeout=600)
         assert process.returncode == 0, err
         assert err == "", err  # no "Loading weights" bars
-        prompt = ast.literal_eval(re.search(r"^prompt = (.*)$", code, re.M).group(1))
         text, summary = out.rstrip("\n").rsplit("\n", 1)
         assert text.startswith(prompt) and text[len(prompt) :].strip(), out
         assert re.match(r"\d+ tokens? in \d+ target pass(es)? \(.* per pass\)", summary), summary

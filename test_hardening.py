@@ -31,7 +31,6 @@ from test_cli import (
     check_errors,
     cli_run,
     cli_run_all,
-    close_the_fork_servers,  # noqa: F401  (closed at the session's end)
     edit_json,
     save_tiny,
     start_cli,

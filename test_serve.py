@@ -24,7 +24,7 @@ import specexec
 from conftest import tiny_model
 from specexec_app import cli, serve
 from specexec_app.chat import Chat
-from test_cli import close_the_fork_servers, start_cli  # noqa: F401  (closed at the session's end)
+from test_cli import start_cli
 
 HERE = Path(__file__).resolve().parent
 EOS = 2
